@@ -1,0 +1,169 @@
+"""The one interface every system under test implements.
+
+The harness (dispatcher, producers, runner, tests) depends on `QueueBackend` only, never on
+the PostgreSQL class. The in-memory implementation in `queue_impl.memory` is the model the
+stateful tests compare the real queues against, and one contract suite runs over all of them.
+
+Times are timezone-aware `datetime`s. A backend reads "now" from its own clock (the database's
+for PostgreSQL, so that every worker agrees); tests pin that clock instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import Enum
+from typing import Any, Literal, Protocol, runtime_checkable
+
+# Every delivery carries these, so a target can deduplicate (at-least-once delivery).
+JOB_ID_HEADER = "X-Skiplock-Job-Id"
+ATTEMPT_HEADER = "X-Skiplock-Attempt"
+ACCOUNT_HEADER = "X-Skiplock-Account"
+WORKER_HEADER = "X-Skiplock-Worker"
+
+
+class JobStatus(str, Enum):
+    PENDING = "PENDING"
+    PROCESSING = "PROCESSING"
+    RETRYING = "RETRYING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.COMPLETED, JobStatus.FAILED)
+
+
+class Outcome(str, Enum):
+    """How one attempt ended, as the dispatcher classified it."""
+
+    SUCCESS = "success"
+    # Retry later (timeouts, connection errors, 5xx, 408, 429): the job goes to RETRYING,
+    # or to FAILED when it has used max_attempts.
+    TRANSIENT = "transient"
+    # Never retry (other 4xx, bad URL, refused by the SSRF guard): the job goes to FAILED.
+    PERMANENT = "permanent"
+
+
+class WriteResult(str, Enum):
+    """What happened to a result write (complete / fail / release)."""
+
+    APPLIED = "applied"
+    # The caller no longer holds the lease: another worker (or recovery) took the job, or the
+    # token does not match. Nothing was changed, and the fencing was recorded.
+    FENCED = "fenced"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Account:
+    id: str
+    # None means unlimited: claims for that account take no account lock.
+    concurrency_limit: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class NewJob:
+    id: uuid.UUID
+    account_id: str
+    target_url: str
+    payload: Mapping[str, Any]
+    max_attempts: int = 3
+    # None means "due now" (the backend's clock at insert).
+    run_at: datetime | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lease:
+    """A claimed job: the worker holding it may execute it until `locked_until`."""
+
+    job_id: uuid.UUID
+    account_id: str
+    target_url: str
+    payload: Mapping[str, Any]
+    attempt: int
+    max_attempts: int
+    lease_token: uuid.UUID
+    locked_until: datetime
+    worker_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttemptResult:
+    """The outcome of one execution, handed back to the queue in one short transaction."""
+
+    lease: Lease
+    outcome: Outcome
+    http_status: int | None = None
+    error: str | None = None
+    # For TRANSIENT outcomes: how long to wait before the next attempt (backoff + jitter,
+    # computed by the dispatcher's RetryPolicy). Ignored for other outcomes.
+    retry_delay: timedelta = timedelta(0)
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobState:
+    """One row of the final-state snapshot the runner writes after the drain."""
+
+    job_id: uuid.UUID
+    account_id: str
+    status: JobStatus
+    attempts: int
+    max_attempts: int
+    last_error: str | None = None
+    locked_until: datetime | None = None
+    next_attempt_at: datetime | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+BackendName = Literal["pg", "pg-naive", "pg-for-update", "pg-long-tx"]
+
+
+@runtime_checkable
+class QueueBackend(Protocol):
+    """A job queue as the harness drives it.
+
+    One instance per process: it opens its own connections lazily, after the process that uses
+    it has started (nothing that holds a socket crosses a process boundary). Every method is
+    one short transaction unless the backend's documented anti-pattern says otherwise.
+    """
+
+    name: str
+
+    def setup(self) -> None:
+        """Create the schema if it is missing. Idempotent; safe from many processes at once."""
+
+    def upsert_accounts(self, accounts: Sequence[Account]) -> None:
+        """Create or update accounts and their concurrency limits."""
+
+    def enqueue(self, jobs: Sequence[NewJob]) -> None:
+        """Insert a batch of jobs in one transaction (all or nothing)."""
+
+    def claim(self, worker_id: str, batch: int, lease: timedelta) -> list[Lease]:
+        """Claim up to `batch` due jobs (PENDING past run_at, RETRYING past next_attempt_at),
+        respecting account limits; each gets attempts + 1, a lease and a fresh token."""
+
+    def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
+        """Record outcomes, in order. Each is applied only while its lease is still held."""
+
+    def renew(self, leases: Sequence[Lease], extend: timedelta) -> list[Lease | None]:
+        """Extend leases still held; None for a lease that was lost (fenced)."""
+
+    def release(self, leases: Sequence[Lease]) -> list[WriteResult]:
+        """Give back leases not executed (graceful shutdown): the attempt is not counted."""
+
+    def recover(self, limit: int = 100) -> int:
+        """Move up to `limit` expired leases to RETRYING, or FAILED at max_attempts.
+        Safe to run in every worker at once. Returns how many jobs it moved."""
+
+    def wait_for_work(self, timeout: float) -> bool:
+        """Block until new work may be due (a notification) or `timeout` seconds pass."""
+
+    def snapshot(self) -> list[JobState]:
+        """Every job's current state, for the final-state snapshot."""
+
+    def close(self) -> None:
+        """Close connections. The backend may be used again after (it reconnects)."""

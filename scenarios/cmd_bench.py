@@ -1,0 +1,27 @@
+"""`skiplock bench ...`: benchmarks, kept out of the test suite (speed is measured, not
+asserted). Each benchmark lives beside what it measures and registers here."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> (module exposing configure(parser) and run(args) -> int, help)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "queue": ("scenarios.bench_queue", "queue-only throughput against the raw-SQL ceiling"),
+    "checker": ("reports.bench_checker", "seconds to check a synthetic history"),
+    "target": ("chaos.bench_target", "the echo target's capacity on its own"),
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
+    sub.required = True
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        bench_parser = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module_name).configure(bench_parser)
+        bench_parser.set_defaults(_bench_module=module_name)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(importlib.import_module(args._bench_module).run(args))
