@@ -1,0 +1,35 @@
+"""Shared fixtures. A test that needs PostgreSQL gets it from the harness's own provisioning,
+so the suite runs on a fresh machine (embedded server) as well as against a given DSN."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from scenarios.provision import PgServer, postgres
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    # Fast settings are fine here: nothing in the ordinary suite crashes the server or is
+    # timed. Chaos tests that kill the server provision their own durable one.
+    with postgres(durable=False) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def pg_dsn(pg_server: PgServer) -> str:
+    return pg_server.dsn
+
+
+@pytest.fixture
+def fresh_schema(pg_dsn: str) -> Iterator[str]:
+    """A schema no other test uses, dropped afterwards: tests can run side by side."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
