@@ -1,0 +1,341 @@
+"""Scenario specs: a small declarative TOML file, resolved, overridden and validated.
+
+A spec names the load (rate, producers, duration), the system under test's settings (workers,
+batch, lease, HTTP timeout, retry policy), the accounts with their concurrency limits, and the
+mix of job scripts. Every scalar is a top-level key; `accounts` and `mix` are tables. The same
+keys are overridable from the command line (`--set key=value`, `--set mix.slow=2`), so a
+scenario file and a command line mean the same thing.
+
+Bad input (unknown keys, impossible values) raises `SpecError` with one line saying what to
+fix; the CLI turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reports.history import Behaviour, JobScript, Step
+
+SPECS_DIR = Path(__file__).parent / "specs"
+
+
+class SpecError(ValueError):
+    """A scenario that cannot run as written: one line that says what to fix."""
+
+
+# Script names a mix may use, and what each means (the `scenarios` table in the README).
+SCRIPT_NAMES: tuple[str, ...] = (
+    "succeed",
+    "fail_then_succeed",
+    "always_400",
+    "slow",
+    "hang_then_late",
+    "hang_forever",
+    "reset",
+)
+FAILPOINT_NAMES: tuple[str, ...] = ("crash_after_claim", "crash_after_http")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScenarioSpec:
+    """A resolved scenario. Times are seconds; `rate` 0 means closed loop (each producer user
+    enqueues again as soon as its last enqueue returned)."""
+
+    name: str
+    description: str = ""
+    # Phases: warm-up (producers ramp up), load (full rate), drain (no new jobs; wait until
+    # every job is terminal, bounded by drain_timeout).
+    warmup: float = 1.0
+    duration: float = 10.0
+    drain_timeout: float = 30.0
+    # Producers.
+    rate: float = 50.0
+    producers: int = 1
+    users: int = 4
+    enqueue_batch: int = 1
+    distributed: bool = False
+    # Workers (the system under test).
+    workers: int = 2
+    batch: int = 10
+    lease: float = 10.0
+    http_timeout: float = 2.0
+    write_margin: float = 2.0
+    poll: float = 0.5
+    recovery: bool = True
+    recovery_interval: float = 0.5
+    renew_leases: bool = True
+    unsafe_timing: bool = False
+    # Retry policy and the oracle's max_attempts.
+    retry_base: float = 0.2
+    retry_cap: float = 2.0
+    retry_jitter: float = 0.5
+    max_attempts: int = 4
+    # Script parameters.
+    fail_times: int = 2
+    fail_status: int = 503
+    slow_seconds: float = 0.2
+    # 0 means "the HTTP timeout plus half a second": late, but not by much.
+    hang_seconds: float = 0.0
+    # account id -> concurrency limit
+    accounts: Mapping[str, int] = field(default_factory=lambda: {"acme": 4})
+    # script name -> weight
+    mix: Mapping[str, float] = field(default_factory=lambda: {"succeed": 1.0})
+    # dispatcher failpoint name -> probability per attempt (the worker dies when one fires)
+    failpoints: Mapping[str, float] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------------------------------
+
+    def validate(self) -> ScenarioSpec:
+        """Refuse values that cannot run; returns self so calls chain."""
+        positive = {
+            "duration": self.duration,
+            "drain_timeout": self.drain_timeout,
+            "producers": self.producers,
+            "users": self.users,
+            "enqueue_batch": self.enqueue_batch,
+            "workers": self.workers,
+            "batch": self.batch,
+            "lease": self.lease,
+            "http_timeout": self.http_timeout,
+            "poll": self.poll,
+            "recovery_interval": self.recovery_interval,
+            "max_attempts": self.max_attempts,
+            "fail_times": self.fail_times,
+        }
+        for key, value in positive.items():
+            if value <= 0:
+                raise SpecError(f"{key} must be positive (got {value})")
+        non_negative = {
+            "warmup": self.warmup,
+            "rate": self.rate,
+            "write_margin": self.write_margin,
+            "retry_base": self.retry_base,
+            "slow_seconds": self.slow_seconds,
+            "hang_seconds": self.hang_seconds,
+        }
+        for key, value in non_negative.items():
+            if value < 0:
+                raise SpecError(f"{key} must not be negative (got {value})")
+        if self.retry_cap < self.retry_base:
+            raise SpecError(
+                f"retry_cap ({self.retry_cap}) must be at least retry_base ({self.retry_base})"
+            )
+        if not 0.0 <= self.retry_jitter <= 1.0:
+            raise SpecError(f"retry_jitter must be between 0 and 1 (got {self.retry_jitter})")
+        if not self.unsafe_timing and self.http_timeout + self.write_margin >= self.lease:
+            raise SpecError(
+                f"http_timeout + write_margin ({self.http_timeout} + {self.write_margin}) must be"
+                f" shorter than lease ({self.lease}): raise lease, or set unsafe_timing=true"
+            )
+        if not 100 <= self.fail_status <= 599:
+            raise SpecError(f"fail_status must be an HTTP status (got {self.fail_status})")
+        if not self.accounts:
+            raise SpecError("accounts is empty: give at least one, e.g. --set accounts.acme=4")
+        for account, limit in self.accounts.items():
+            if limit <= 0:
+                raise SpecError(f"accounts.{account} limit must be positive (got {limit})")
+        for script, weight in self.mix.items():
+            if script not in SCRIPT_NAMES:
+                raise SpecError(
+                    f"unknown script {script!r} in mix; valid: {', '.join(SCRIPT_NAMES)}"
+                )
+            if weight < 0:
+                raise SpecError(f"mix.{script} weight must not be negative (got {weight})")
+        for point, probability in self.failpoints.items():
+            if point not in FAILPOINT_NAMES:
+                raise SpecError(
+                    f"unknown failpoint {point!r}; valid: {', '.join(FAILPOINT_NAMES)}"
+                )
+            if not 0.0 <= probability <= 1.0:
+                raise SpecError(f"failpoints.{point} must be between 0 and 1 (got {probability})")
+        if sum(self.mix.values()) <= 0:
+            raise SpecError("mix weights sum to 0: give at least one script a positive weight")
+        return self
+
+    # ---------------------------------------------------------------------------------------
+
+    def account_limits(self) -> dict[str, int | None]:
+        return {account: limit for account, limit in self.accounts.items()}
+
+    def effective_hang_seconds(self) -> float:
+        return self.hang_seconds if self.hang_seconds > 0 else self.http_timeout + 0.5
+
+    def scripts(self) -> dict[str, JobScript]:
+        """The named scripts of the mix, built with this spec's parameters."""
+        ok = Step(behaviour=Behaviour.OK)
+        built = {
+            "succeed": JobScript(name="succeed", first=ok),
+            "fail_then_succeed": JobScript(
+                name="fail_then_succeed",
+                first=Step(behaviour=Behaviour.STATUS, status=self.fail_status),
+                times=self.fail_times,
+            ),
+            "always_400": JobScript(
+                name="always_400", first=Step(behaviour=Behaviour.STATUS, status=400)
+            ),
+            "slow": JobScript(
+                name="slow", first=Step(behaviour=Behaviour.SLOW, seconds=self.slow_seconds)
+            ),
+            "hang_then_late": JobScript(
+                name="hang_then_late",
+                first=Step(behaviour=Behaviour.HANG, seconds=self.effective_hang_seconds()),
+                times=1,
+            ),
+            "hang_forever": JobScript(
+                name="hang_forever", first=Step(behaviour=Behaviour.HANG_FOREVER), times=1
+            ),
+            "reset": JobScript(name="reset", first=Step(behaviour=Behaviour.RESET), times=1),
+        }
+        return {name: built[name] for name in self.mix if self.mix[name] > 0}
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["accounts"] = dict(self.accounts)
+        out["mix"] = dict(self.mix)
+        out["failpoints"] = dict(self.failpoints)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Chooser:
+    """Seeded choice of script and account for each job: a run with the same seed draws the
+    same sequence in each producer user."""
+
+    scripts: Sequence[JobScript]
+    weights: Sequence[float]
+    accounts: Sequence[str]
+    rng: random.Random
+
+    @classmethod
+    def for_spec(cls, spec: ScenarioSpec, seed: int, stream: str) -> Chooser:
+        scripts = spec.scripts()
+        return cls(
+            scripts=list(scripts.values()),
+            weights=[spec.mix[name] for name in scripts],
+            accounts=sorted(spec.accounts),
+            # A string seed is hashed deterministically (sha512), unlike hash().
+            rng=random.Random(f"{seed}:{stream}"),
+        )
+
+    def next(self) -> tuple[JobScript, str]:
+        script = self.rng.choices(self.scripts, weights=self.weights, k=1)[0]
+        return script, self.rng.choice(self.accounts)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading, overriding.
+# --------------------------------------------------------------------------------------------
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ScenarioSpec)}
+_TABLES = ("accounts", "mix", "failpoints")
+SCALAR_KEYS: tuple[str, ...] = tuple(k for k in _FIELDS if k not in _TABLES)
+
+
+def _valid_keys() -> str:
+    return ", ".join([*SCALAR_KEYS, "accounts.<id>", "mix.<script>", "failpoints.<name>"])
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in SPECS_DIR.glob("*.toml"))
+
+
+def resolve_path(scenario: str) -> Path:
+    """A name in scenarios/specs, or a path to a .toml file."""
+    candidate = Path(scenario)
+    if candidate.suffix == ".toml" or "/" in scenario:
+        if not candidate.is_file():
+            raise SpecError(f"scenario file {scenario} not found")
+        return candidate
+    named = SPECS_DIR / f"{scenario}.toml"
+    if not named.is_file():
+        raise SpecError(
+            f"unknown scenario {scenario!r}; available: {', '.join(available())},"
+            " or a path to a .toml file"
+        )
+    return named
+
+
+def _coerce(key: str, value: Any, kind: Any) -> Any:
+    """A TOML value (or a command-line string) as the field's type."""
+    name = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+    try:
+        if name == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("true", "1", "yes", "on"):
+                return True
+            if text in ("false", "0", "no", "off"):
+                return False
+            raise ValueError(value)
+        if isinstance(value, bool):
+            raise ValueError(value)
+        if name == "int":
+            number = float(value)
+            if number != int(number):
+                raise ValueError(value)
+            return int(number)
+        if name == "float":
+            return float(value)
+        if name == "str":
+            return str(value)
+    except (TypeError, ValueError):
+        raise SpecError(f"{key} must be a {name} (got {value!r})") from None
+    raise SpecError(f"{key} has an unsupported type {name}")
+
+
+def from_mapping(raw: Mapping[str, Any], *, default_name: str = "custom") -> ScenarioSpec:
+    """Build a spec from a parsed TOML document; unknown keys are refused."""
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _TABLES:
+            if not isinstance(value, Mapping):
+                raise SpecError(f"{key} must be a table of name = number")
+            kind = "int" if key == "accounts" else "float"
+            values[key] = {str(k): _coerce(f"{key}.{k}", v, kind) for k, v in value.items()}
+        elif key in _FIELDS:
+            values[key] = _coerce(key, value, _FIELDS[key].type)
+        else:
+            raise SpecError(f"unknown key {key!r} in scenario; valid keys: {_valid_keys()}")
+    values.setdefault("name", default_name)
+    return ScenarioSpec(**values)
+
+
+def apply_overrides(spec: ScenarioSpec, overrides: Sequence[str]) -> ScenarioSpec:
+    """Apply `key=value` strings (`mix.slow=2`, `accounts.acme=4`, `workers=3`)."""
+    changes: dict[str, Any] = {}
+    tables = {t: dict(getattr(spec, t)) for t in _TABLES}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise SpecError(f"--set expects key=value (got {item!r})")
+        table, dot, sub = key.partition(".")
+        if dot and table in _TABLES and sub:
+            kind = "int" if table == "accounts" else "float"
+            tables[table][sub] = _coerce(key, value.strip(), kind)
+            changes[table] = tables[table]
+        elif key in SCALAR_KEYS:
+            changes[key] = _coerce(key, value.strip(), _FIELDS[key].type)
+        else:
+            raise SpecError(f"unknown key {key!r}; valid keys: {_valid_keys()}")
+    return dataclasses.replace(spec, **changes)
+
+
+def load(scenario: str, overrides: Sequence[str] = ()) -> ScenarioSpec:
+    """Resolve, parse, override and validate a scenario."""
+    path = resolve_path(scenario)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{path} is not valid TOML ({exc})") from None
+    except OSError as exc:
+        raise SpecError(f"cannot read {path}: {exc.strerror}") from None
+    spec = from_mapping(raw, default_name=path.stem)
+    return apply_overrides(spec, overrides).validate()
