@@ -1,0 +1,649 @@
+"""The duplicate-detecting echo target: the HTTP endpoint every job is delivered to.
+
+It records every request it receives as one `reports.history.Delivery` line in
+`OUT/deliveries/<name>.jsonl`, and does what the job's script (`payload["script"]`, a
+`JobScript.to_json()`) says: answer at once, answer a status, answer slowly, answer past the
+dispatcher's timeout, never answer, or reset the connection. A payload without a script
+succeeds.
+
+The target counts deliveries per job itself (`seen`) and picks the script step from that
+count, never from the attempt header, so a queue sending wrong attempt numbers cannot change
+what a job does. It counts deliveries in flight per account; a delivery stops counting when it
+is answered or when its client goes away (a dispatcher that timed out no longer holds it).
+
+Records are written with one `write()` each, before the response is sent and without fsync:
+they survive a crash of the target process, not a crash of the machine. The hot path is a dict
+lookup, a JSON dump and one write; asyncio's single thread is the only lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import os
+import re
+import signal
+import socket
+import struct
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, assert_never
+
+from aiohttp import web
+
+from queue_impl.interface import ACCOUNT_HEADER, ATTEMPT_HEADER, JOB_ID_HEADER, WORKER_HEADER
+from reports.history import (
+    DELIVERIES_DIR,
+    Behaviour,
+    Delivery,
+    JobScript,
+    JsonlWriter,
+    Step,
+    to_record,
+)
+
+DEFAULT_HANG_CAP_SECONDS = 600.0
+# How long a stopping target waits for deliveries still being answered (slow, hang).
+DEFAULT_GRACE_SECONDS = 5.0
+# How often a held delivery checks whether its client has gone.
+_POLL_SECONDS = 0.05
+# Behaviour recorded for a request the target could not read (no job id, bad payload).
+BAD_REQUEST = "bad_request"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def check_host(host: str) -> str:
+    """The address to bind for `host`, which must be loopback (IPv4, IPv6 or `localhost`):
+    the target accepts scripted faults from anyone who can reach it, so it never listens on
+    a network. Raises ValueError with a one-line message otherwise."""
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(
+            f"host {host!r} is not an IP address; use 127.0.0.1, ::1 or localhost"
+        ) from None
+    if not address.is_loopback:
+        raise ValueError(f"host {host} is not loopback; use 127.0.0.1, ::1 or localhost")
+    return str(address)
+
+
+def check_name(name: str) -> str:
+    """The target's name becomes a file name: letters, digits, `.`, `_`, `-`."""
+    if not _NAME_RE.match(name):
+        raise ValueError(f"target name {name!r} must be 1-64 letters, digits, '.', '_' or '-'")
+    return name
+
+
+def url_for(host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+def deliveries_path(out_dir: Path, name: str) -> Path:
+    return out_dir / DELIVERIES_DIR / f"{name}.jsonl"
+
+
+def _int_or_none(raw: str | None) -> int | None:
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        return None
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _parse_script(body: bytes) -> JobScript | str:
+    """The job's script, or a one-line reason the payload cannot be obeyed."""
+    if not body:
+        return "empty body; expected the job payload as JSON"
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return "body is not JSON"
+    if not isinstance(payload, dict):
+        return "payload is not a JSON object"
+    raw = payload.get("script")
+    if raw is None:
+        return _SUCCEED
+    try:
+        script = JobScript.from_json(raw)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        return f"bad script: {type(exc).__name__}: {exc}"
+    for step in (script.first, script.then):
+        if step.behaviour is Behaviour.STATUS and not 200 <= step.status <= 599:
+            return f"bad script: status {step.status} is not 200-599"
+        if step.seconds < 0:
+            return f"bad script: seconds {step.seconds} is negative"
+    return script
+
+
+_SUCCEED = JobScript(name="succeed", first=Step(behaviour=Behaviour.OK))
+
+
+class _Open:
+    """A delivery the target has not finished with yet (mutable; becomes a Delivery)."""
+
+    __slots__ = (
+        "account",
+        "account_in_flight",
+        "attempt",
+        "behaviour",
+        "done",
+        "job_id",
+        "left",
+        "received",
+        "seen",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        attempt: int | None,
+        account: str | None,
+        worker: str | None,
+        received: float,
+        behaviour: str,
+        seen: int,
+        account_in_flight: int,
+    ) -> None:
+        self.job_id = job_id
+        self.attempt = attempt
+        self.account = account
+        self.worker = worker
+        self.received = received
+        self.behaviour = behaviour
+        self.seen = seen
+        self.account_in_flight = account_in_flight
+        self.left = False  # no longer counted in its account's in-flight
+        self.done = False  # its record is written
+
+
+class EchoTarget:
+    """The target's state and its aiohttp application. One per process (one event loop)."""
+
+    def __init__(
+        self,
+        *,
+        out_dir: Path,
+        name: str = "target-0",
+        hang_cap_seconds: float = DEFAULT_HANG_CAP_SECONDS,
+    ) -> None:
+        self.name = check_name(name)
+        self.hang_cap_seconds = hang_cap_seconds
+        self.path = deliveries_path(out_dir, name)
+        self._writer = JsonlWriter(self.path)
+        self._seen: dict[str, int] = {}
+        self._answered_ok: set[str] = set()
+        self._in_flight: dict[str, int] = {}
+        self._max_in_flight: dict[str, int] = {}
+        self._by_status: dict[int, int] = {}
+        self._open: set[_Open] = set()
+        self._deliveries = 0
+        self._duplicates = 0
+        self._unanswered = 0
+        self._bad_requests = 0
+        self._stopping = False
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/deliver", self._deliver)
+        app.router.add_post("/deliver/{tail:.*}", self._deliver)
+        app.router.add_get("/stats", self._stats)
+        return app
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)
+
+    def stats(self) -> dict[str, Any]:
+        """Counts so far. Accounts are keyed by id ("" for deliveries without one)."""
+        return {
+            "target": self.name,
+            "deliveries": self._deliveries,
+            "answered": {str(k): v for k, v in sorted(self._by_status.items())},
+            "unanswered": self._unanswered,
+            "open": len(self._open),
+            "duplicates": self._duplicates,
+            "unique_jobs": len(self._seen),
+            "bad_requests": self._bad_requests,
+            "in_flight": dict(self._in_flight),
+            "max_in_flight": dict(self._max_in_flight),
+        }
+
+    def begin_stop(self) -> None:
+        """Stop holding deliveries that would never be answered anyway."""
+        self._stopping = True
+
+    def give_up_all(self) -> None:
+        """Record every delivery still open as unanswered and close the log."""
+        now = time.time()
+        for delivery in list(self._open):
+            self._record(delivery, None, None, now)
+        self._writer.close()
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def _arrive(
+        self,
+        *,
+        job_id: str,
+        attempt: int | None,
+        account: str | None,
+        worker: str | None,
+        received: float,
+        script: JobScript | None,
+    ) -> tuple[_Open, Step | None]:
+        seen = self._seen.get(job_id, 0) + 1
+        self._seen[job_id] = seen
+        self._deliveries += 1
+        if job_id in self._answered_ok:
+            self._duplicates += 1
+        key = account or ""
+        in_flight = self._in_flight.get(key, 0) + 1
+        self._in_flight[key] = in_flight
+        if in_flight > self._max_in_flight.get(key, 0):
+            self._max_in_flight[key] = in_flight
+        step = None if script is None else script.step_for(seen)
+        delivery = _Open(
+            job_id=job_id,
+            attempt=attempt,
+            account=account,
+            worker=worker,
+            received=received,
+            behaviour=BAD_REQUEST if step is None else step.behaviour.value,
+            seen=seen,
+            account_in_flight=in_flight,
+        )
+        self._open.add(delivery)
+        return delivery, step
+
+    def _leave(self, delivery: _Open) -> None:
+        if not delivery.left:
+            delivery.left = True
+            self._in_flight[delivery.account or ""] -= 1
+
+    def _record(
+        self, delivery: _Open, answered: float | None, status: int | None, now: float
+    ) -> None:
+        """Write the delivery's one record (at most once) and drop it from the open set."""
+        if delivery.done:
+            return
+        delivery.done = True
+        self._leave(delivery)
+        self._open.discard(delivery)
+        if status is None:
+            self._unanswered += 1
+        else:
+            self._by_status[status] = self._by_status.get(status, 0) + 1
+            if 200 <= status < 300:
+                self._answered_ok.add(delivery.job_id)
+        self._writer.write(
+            to_record(
+                Delivery(
+                    job_id=delivery.job_id,
+                    attempt=delivery.attempt,
+                    account=delivery.account,
+                    worker=delivery.worker,
+                    target=self.name,
+                    received=delivery.received,
+                    answered=answered,
+                    status=status,
+                    behaviour=delivery.behaviour,
+                    seen=delivery.seen,
+                    account_in_flight=delivery.account_in_flight,
+                )
+            )
+        )
+
+    def _answer(self, delivery: _Open, status: int) -> web.Response:
+        now = time.time()
+        self._record(delivery, now, status, now)
+        return web.json_response({"job_id": delivery.job_id, "seen": delivery.seen}, status=status)
+
+    async def _hold(
+        self, request: web.Request, delivery: _Open, seconds: float, *, until_gone: bool
+    ) -> None:
+        """Wait `seconds`. A client that goes away stops counting as in flight; with
+        `until_gone` it also ends the wait (nobody is left to answer)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            if until_gone and self._stopping:
+                return
+            if not delivery.left and _client_gone(request):
+                self._leave(delivery)
+                if until_gone:
+                    return
+            await asyncio.sleep(min(left, _POLL_SECONDS))
+
+    # -- handlers --------------------------------------------------------------------------
+
+    async def _deliver(self, request: web.Request) -> web.StreamResponse:
+        received = time.time()
+        headers = request.headers
+        job_id = headers.get(JOB_ID_HEADER, "")
+        body = await request.read()
+        parsed = _parse_script(body) if job_id else f"missing {JOB_ID_HEADER} header"
+        delivery, step = self._arrive(
+            job_id=job_id,
+            attempt=_int_or_none(headers.get(ATTEMPT_HEADER)),
+            account=headers.get(ACCOUNT_HEADER),
+            worker=headers.get(WORKER_HEADER),
+            received=received,
+            script=parsed if isinstance(parsed, JobScript) else None,
+        )
+        try:
+            if step is None:
+                self._bad_requests += 1
+                now = time.time()
+                self._record(delivery, now, 400, now)
+                return web.json_response({"error": parsed}, status=400)
+            return await self._obey(request, delivery, step)
+        finally:
+            # Cancelled (shutdown) or failed: the client got no answer from us.
+            self._record(delivery, None, None, time.time())
+
+    async def _obey(self, request: web.Request, delivery: _Open, step: Step) -> web.Response:
+        behaviour = step.behaviour
+        match behaviour:
+            case Behaviour.OK:
+                return self._answer(delivery, 200)
+            case Behaviour.STATUS:
+                return self._answer(delivery, step.status)
+            case Behaviour.SLOW | Behaviour.HANG:
+                # Finishes even if the client has gone (aiohttp does not cancel handlers on
+                # disconnect by default): a late answer is recorded at the time it finished.
+                await self._hold(request, delivery, step.seconds, until_gone=False)
+                return self._answer(delivery, 200)
+            case Behaviour.HANG_FOREVER:
+                await self._hold(request, delivery, self.hang_cap_seconds, until_gone=True)
+                self._record(delivery, None, None, time.time())
+                _drop(request, reset=False)
+                return web.Response(status=200)
+            case Behaviour.RESET:
+                self._record(delivery, None, None, time.time())
+                _drop(request, reset=True)
+                return web.Response(status=200)
+            case _:
+                assert_never(behaviour)
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats())
+
+
+def _drop(request: web.Request, *, reset: bool) -> None:
+    """Close the connection without an answer; with `reset`, as a TCP RST (SO_LINGER 0)."""
+    transport = request.transport
+    if transport is None:
+        return
+    if reset:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(
+    *,
+    out_dir: Path,
+    name: str = "target-0",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    hang_cap_seconds: float = DEFAULT_HANG_CAP_SECONDS,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    on_ready: Callable[[int], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> int:
+    """Run a target until SIGINT / SIGTERM (or `stop` is set). Calls `on_ready(port)` once it
+    listens. Returns the signal number that stopped it (0 for `stop`).
+
+    Stopping: no new connections, up to `grace_seconds` for deliveries still being answered,
+    then every delivery still open is recorded as unanswered."""
+    bind_host = check_host(host)
+    target = EchoTarget(out_dir=out_dir, name=name, hang_cap_seconds=hang_cap_seconds)
+    stop_event = stop or asyncio.Event()
+    stopped_by = 0
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        nonlocal stopped_by
+        stopped_by = signum
+        stop_event.set()
+
+    runner = web.AppRunner(
+        target.app(), access_log=None, handle_signals=False, shutdown_timeout=0.5
+    )
+    await runner.setup()
+    try:
+        sock = _bind(bind_host, port)
+        site = web.SockSite(runner, sock, backlog=1024)
+        await site.start()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, on_signal, signum)
+        if on_ready is not None:
+            on_ready(sock.getsockname()[1])
+        await stop_event.wait()
+        target.begin_stop()
+        await site.stop()
+        deadline = loop.time() + grace_seconds
+        while target.open_count and loop.time() < deadline:
+            await asyncio.sleep(_POLL_SECONDS)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        await runner.cleanup()
+        target.give_up_all()
+    return stopped_by
+
+
+# ----------------------------------------------------------------------------------------------
+# Running a target in its own process.
+# ----------------------------------------------------------------------------------------------
+
+
+def _child_main(
+    conn: Any,
+    out_dir: str,
+    name: str,
+    host: str,
+    port: int,
+    hang_cap_seconds: float,
+    grace_seconds: float,
+) -> None:
+    ready = False
+
+    def on_ready(bound: int) -> None:
+        nonlocal ready
+        ready = True
+        conn.send(("ready", bound))
+
+    try:
+        asyncio.run(
+            serve(
+                out_dir=Path(out_dir),
+                name=name,
+                host=host,
+                port=port,
+                hang_cap_seconds=hang_cap_seconds,
+                grace_seconds=grace_seconds,
+                on_ready=on_ready,
+            )
+        )
+    except Exception as exc:
+        if not ready:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+    finally:
+        conn.close()
+
+
+class TargetProcess:
+    """An echo target in its own (spawned) process, for runs and tests.
+
+    Started on entering the context (or by `start()`); port 0 lets the system pick a port,
+    which the child reports back. Leaving the context stops it and leaves no process."""
+
+    def __init__(
+        self,
+        out_dir: Path,
+        name: str = "target-0",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        hang_cap_seconds: float = DEFAULT_HANG_CAP_SECONDS,
+        grace_seconds: float = DEFAULT_GRACE_SECONDS,
+        start_timeout: float = 60.0,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.name = check_name(name)
+        self.host = check_host(host)
+        self._requested_port = port
+        self.hang_cap_seconds = hang_cap_seconds
+        self.grace_seconds = grace_seconds
+        self.start_timeout = start_timeout
+        self._process: Any = None
+        self._port: int | None = None
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("target not started; use `with TargetProcess(...)` or start()")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return url_for(self.host, self.port)
+
+    @property
+    def deliver_url(self) -> str:
+        return self.url + "/deliver"
+
+    @property
+    def deliveries_path(self) -> Path:
+        return deliveries_path(self.out_dir, self.name)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else int(self._process.pid)
+
+    def alive(self) -> bool:
+        return self._process is not None and bool(self._process.is_alive())
+
+    def start(self) -> TargetProcess:
+        if self._process is not None:
+            return self
+        import multiprocess  # heavy import, only where a process is started
+
+        ctx = multiprocess.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=False)
+        process = ctx.Process(
+            target=_child_main,
+            args=(
+                child,
+                str(self.out_dir),
+                self.name,
+                self.host,
+                self._requested_port,
+                self.hang_cap_seconds,
+                self.grace_seconds,
+            ),
+            name=f"skiplock-{self.name}",
+            daemon=True,
+        )
+        process.start()
+        child.close()
+        self._process = process
+        try:
+            message = self._wait_ready(parent)
+        finally:
+            parent.close()
+        if message[0] != "ready":
+            self.kill()
+            raise RuntimeError(f"target {self.name} did not start: {message[1]}")
+        self._port = int(message[1])
+        return self
+
+    def _wait_ready(self, conn: Any) -> tuple[str, Any]:
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if conn.poll(0.1):
+                try:
+                    kind, value = conn.recv()
+                    return str(kind), value
+                except EOFError:
+                    return ("error", "the target process exited during start")
+            if not self._process.is_alive():
+                return ("error", f"the target process exited ({self._process.exitcode})")
+        return ("error", f"no answer within {self.start_timeout:g} s")
+
+    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        """GET /stats."""
+        with urllib.request.urlopen(self.url + "/stats", timeout=timeout) as response:
+            value = json.loads(response.read())
+        if not isinstance(value, dict):
+            raise RuntimeError("target /stats did not return a JSON object")
+        return value
+
+    def stop(self, grace_seconds: float | None = None) -> int | None:
+        """SIGTERM and wait (the target records what is still open); SIGKILL after the
+        target's grace plus a margin. Returns the exit code."""
+        process = self._process
+        if process is None:
+            return None
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGTERM)
+            grace = self.grace_seconds if grace_seconds is None else grace_seconds
+            process.join(grace + 10.0)
+        if process.is_alive():
+            self.kill()
+        process.join()
+        return None if process.exitcode is None else int(process.exitcode)
+
+    def kill(self) -> None:
+        """SIGKILL: what a crash of the target looks like."""
+        process = self._process
+        if process is None:
+            return
+        if process.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)
+        process.join()
+
+    def __enter__(self) -> TargetProcess:
+        try:
+            return self.start()
+        except BaseException:
+            self.kill()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
