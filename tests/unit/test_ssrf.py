@@ -1,0 +1,183 @@
+"""The SSRF guard against hostile URLs. No DNS here: names resolve through a fake table."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import Sequence
+
+import pytest
+
+from queue_impl.ssrf import (
+    AllowedTarget,
+    PinnedResolver,
+    TargetRefused,
+    UrlGuard,
+    VettedTarget,
+    parse_ipv4_loose,
+)
+
+DNS: dict[str, list[str]] = {
+    "public.example": ["93.184.216.34"],
+    "dual.example": ["93.184.216.34", "2606:2800:220:1::1"],
+    "rebind.example": ["93.184.216.34", "10.0.0.5"],
+    "sneaky6.example": ["2606:2800:220:1::1", "::ffff:169.254.169.254"],
+    "metadata.example": ["169.254.169.254"],
+    "localhost": ["127.0.0.1", "::1"],
+    "nothing.example": [],
+}
+
+
+async def fake_resolver(host: str, port: int) -> Sequence[str]:
+    if host not in DNS:
+        raise TargetRefused(f"cannot resolve {host!r}")
+    return DNS[host]
+
+
+def vet(url: str, allow: Sequence[str] = ()) -> VettedTarget:
+    return asyncio.run(UrlGuard(allow, resolver=fake_resolver).vet(url))
+
+
+HOSTILE = [
+    # numeric spellings of 127.0.0.1
+    ("http://2130706433/", "127.0.0.1"),
+    ("http://0177.0.0.1/", "127.0.0.1"),
+    ("http://0x7f.1/", "127.0.0.1"),
+    ("http://0x7f000001/", "127.0.0.1"),
+    ("http://127.1/", "127.0.0.1"),
+    ("http://127.0.0.1/", "loopback"),
+    ("http://127.255.0.9:8080/x", "loopback"),
+    ("http://[::1]/", "loopback"),
+    ("http://[::ffff:127.0.0.1]/", "loopback"),
+    ("http://[::ffff:7f00:1]/", "loopback"),
+    ("http://[::ffff:10.1.2.3]/", "private"),
+    ("http://[2002:7f00:1::]/", "loopback"),  # 6to4 embedding 127.0.0.1
+    ("http://[64:ff9b::a9fe:a9fe]/", "link-local"),  # NAT64 embedding 169.254.169.254
+    ("http://169.254.169.254/latest/meta-data/", "link-local"),
+    ("http://[fe80::1]/", "link-local"),
+    ("http://10.0.0.1/", "private"),
+    ("http://10.255.255.255/", "private"),
+    ("http://172.16.0.1/", "private"),
+    ("http://172.31.255.254/", "private"),
+    ("http://192.168.1.1/", "private"),
+    ("http://[fd00::1]/", "private"),
+    ("http://0.0.0.0/", "unspecified"),
+    ("http://[::]/", "unspecified"),
+    ("http://224.0.0.1/", "multicast"),
+    ("http://239.255.255.250/", "multicast"),
+    ("http://[ff02::1]/", "multicast"),
+    ("http://100.64.0.1/", "carrier-grade NAT"),
+    ("http://192.0.2.10/", "private"),  # documentation range
+    ("http://198.18.0.1/", "private"),  # benchmarking range
+    ("http://240.0.0.1/", "reserved"),
+    ("http://255.255.255.255/", "reserved"),  # broadcast
+    ("http://metadata.example/", "169.254.169.254"),
+    ("http://rebind.example/", "10.0.0.5"),
+    ("http://sneaky6.example/", "169.254.169.254"),
+    ("http://localhost:8080/", "loopback"),
+    ("ftp://public.example/", "scheme"),
+    ("file:///etc/passwd", "scheme"),
+    ("gopher://public.example:70/", "scheme"),
+    ("javascript:alert(1)", "scheme"),
+    ("//public.example/", "scheme"),
+    ("http:///nohost", "no host"),
+    ("http://public.example:99999/", "malformed"),
+    ("http://nothing.example/", "no address"),
+    ("http://unknown.example/", "cannot resolve"),
+    ("http://08.0.0.1/", "not a valid numeric"),
+    ("http://134744072/", "non-canonical"),  # 8.8.8.8, but in a spelling nobody needs
+]
+
+
+@pytest.mark.parametrize(("url", "why"), HOSTILE)
+def test_hostile_url_is_refused_with_its_reason(url: str, why: str) -> None:
+    with pytest.raises(TargetRefused) as info:
+        vet(url)
+    message = str(info.value)
+    assert why in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("url", "address", "port"),
+    [
+        ("http://public.example/", "93.184.216.34", 80),
+        ("https://public.example/hook", "93.184.216.34", 443),
+        ("https://dual.example:8443/", "93.184.216.34", 8443),
+        ("http://93.184.216.34:81/", "93.184.216.34", 81),
+        ("http://[2606:2800:220:1::1]/", "2606:2800:220:1::1", 80),
+        ("HTTP://PUBLIC.EXAMPLE/", "93.184.216.34", 80),
+    ],
+)
+def test_public_url_is_allowed_and_pinned_to_the_vetted_address(
+    url: str, address: str, port: int
+) -> None:
+    target = vet(url)
+    assert target.address == address
+    assert target.port == port
+    assert not target.allowed_by_list
+
+
+def test_allow_list_admits_exact_host_and_port_only() -> None:
+    allow = ["127.0.0.1:8080", "localhost:9000", "[::1]:7000"]
+    assert vet("http://127.0.0.1:8080/deliver", allow).address == "127.0.0.1"
+    assert vet("http://localhost:9000/", allow).allowed_by_list
+    assert vet("http://[::1]:7000/", allow).address == "::1"
+    # The mapped spelling of an allowed address is the same address.
+    assert vet("http://[::ffff:127.0.0.1]:8080/", allow).address == "127.0.0.1"
+    for url in (
+        "http://127.0.0.1:8081/",  # right host, wrong port
+        "http://127.0.0.2:8080/",  # right port, wrong host
+        "http://localhost:7000/",  # localhost resolves to 127.0.0.1 too: not listed on 7000
+        "http://10.0.0.1:8080/",
+        "http://2130706433:8080/",  # a numeric spelling is still refused
+    ):
+        with pytest.raises(TargetRefused):
+            vet(url, allow)
+
+
+def test_allow_list_matches_a_name_on_its_resolved_address_and_port() -> None:
+    # localhost resolves to 127.0.0.1 and ::1, both listed for port 8080.
+    target = vet("http://localhost:8080/", ["127.0.0.1:8080", "[::1]:8080"])
+    assert target.allowed_by_list
+    assert target.address == "127.0.0.1"
+    # Only one of its addresses listed: the other is still forbidden.
+    with pytest.raises(TargetRefused, match="::1"):
+        vet("http://localhost:8080/", ["127.0.0.1:8080"])
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["127.0.0.1", "127.0.0.1:", ":80", "host:0", "host:70000", "http://h:80", "[zz]:80", ""],
+)
+def test_malformed_allow_target_is_a_one_line_error(text: str) -> None:
+    with pytest.raises(ValueError) as info:
+        AllowedTarget.parse(text)
+    assert "\n" not in str(info.value)
+
+
+def test_loose_ipv4_parsing_matches_inet_aton() -> None:
+    assert parse_ipv4_loose("2130706433") == ipaddress.IPv4Address("127.0.0.1")
+    assert parse_ipv4_loose("0177.0.0.1") == ipaddress.IPv4Address("127.0.0.1")
+    assert parse_ipv4_loose("0x7f.1") == ipaddress.IPv4Address("127.0.0.1")
+    assert parse_ipv4_loose("10.1") == ipaddress.IPv4Address("10.0.0.1")
+    assert parse_ipv4_loose("192.168.257") == ipaddress.IPv4Address("192.168.1.1")
+    assert parse_ipv4_loose("public.example") is None
+    with pytest.raises(ValueError):
+        parse_ipv4_loose("256.0.0.1")
+
+
+def test_pinned_resolver_returns_only_the_vetted_address() -> None:
+    resolver = PinnedResolver()
+    target = vet("http://public.example/")
+    resolver.pin(target)
+
+    async def go() -> None:
+        results = await resolver.resolve("public.example", 80)
+        assert [r["host"] for r in results] == ["93.184.216.34"]
+        with pytest.raises(OSError, match="not vetted"):
+            await resolver.resolve("other.example", 80)
+        with pytest.raises(OSError, match="not vetted"):
+            await resolver.resolve("public.example", 81)
+
+    asyncio.run(go())
