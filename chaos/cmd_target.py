@@ -1,0 +1,98 @@
+"""`skiplock target`: run one duplicate-detecting echo target in the foreground.
+
+It prints its URL once it listens and runs until Ctrl-C or SIGTERM; deliveries still open
+then are recorded as unanswered. Jobs should target `URL/deliver`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+from chaos.target import DEFAULT_HANG_CAP_SECONDS, check_host, check_name, serve, url_for
+from scenarios.errors import UsageError
+
+
+def _port(raw: str) -> int:
+    try:
+        port = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port {raw!r} is not a number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is not in 0-65535")
+    return port
+
+
+def _positive(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{raw} must be more than 0 seconds")
+    return value
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="loopback address to listen on (default 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--port", type=_port, default=0, help="port to listen on; 0 picks a free one (default)"
+    )
+    parser.add_argument(
+        "--name", default="target-0", help="target name, and its log's file name (target-0)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("."),
+        help="run directory; deliveries go to OUT/deliveries/NAME.jsonl (default: .)",
+    )
+    parser.add_argument(
+        "--hang-cap",
+        type=_positive,
+        default=DEFAULT_HANG_CAP_SECONDS,
+        metavar="S",
+        help="seconds a hang_forever delivery is held at most (default %(default)g)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        host = check_host(args.host)
+        name = check_name(args.name)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    out: Path = args.out
+    try:
+        (out / "deliveries").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create {out / 'deliveries'}: {exc.strerror}") from None
+
+    def on_ready(port: int) -> None:
+        print(f"skiplock target {name} listening on {url_for(host, port)}", flush=True)
+        print(f"deliver to {url_for(host, port)}/deliver; log {out}/deliveries/{name}.jsonl")
+        sys.stdout.flush()
+
+    try:
+        stopped_by = asyncio.run(
+            serve(
+                out_dir=out,
+                name=name,
+                host=host,
+                port=args.port,
+                hang_cap_seconds=args.hang_cap,
+                on_ready=on_ready,
+            )
+        )
+    except OSError as exc:
+        raise UsageError(
+            f"cannot listen on {url_for(host, args.port)}: {exc.strerror or exc}; "
+            "pick another --port, or 0 for a free one"
+        ) from None
+    # Ctrl-C keeps the CLI's convention (130) even though the target stopped cleanly.
+    return 130 if stopped_by == signal.SIGINT else 0
