@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from scenarios.provision import PgServer, postgres
+from scenarios.provision import DSN_ENV, PgServer, postgres
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +18,15 @@ def pg_server() -> Iterator[PgServer]:
     # Fast settings are fine here: nothing in the ordinary suite crashes the server or is
     # timed. Chaos tests that kill the server provision their own durable one.
     with postgres(durable=False) as server:
+        yield server
+
+
+@pytest.fixture
+def owned_pg_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[PgServer]:
+    """A durable server this test alone owns (embedded, or Docker when an engine answers),
+    even when SKIPLOCK_PG_DSN is set: for tests that restart or crash the server."""
+    monkeypatch.delenv(DSN_ENV, raising=False)
+    with postgres(durable=True) as server:
         yield server
 
 
