@@ -63,9 +63,7 @@ class AllowedTarget:
         message for anything else."""
         match = re.fullmatch(r"\[([^\]]+)\]:(\d+)|([^:\[\]/@\s]+):(\d+)", text.strip())
         if match is None:
-            raise ValueError(
-                f"--allow-target {text!r} is not HOST:PORT (use [ADDR]:PORT for IPv6)"
-            )
+            raise ValueError(f"--allow-target {text!r} is not HOST:PORT (use [ADDR]:PORT for IPv6)")
         host = (match.group(1) or match.group(3)).lower()
         port = int(match.group(2) or match.group(4))
         if not 0 < port < 65536:
@@ -236,16 +234,12 @@ class UrlGuard:
             literal = parse_ip_literal(host)
         except ValueError as exc:
             raise TargetRefused(str(exc)) from None
-        if (
-            isinstance(literal, ipaddress.IPv4Address)
-            and str(literal) != host.rstrip(".")
-        ):
+        if isinstance(literal, ipaddress.IPv4Address) and str(literal) != host.rstrip("."):
             # Legacy spellings (2130706433, 0177.0.0.1, 0x7f.1, 127.1) exist mostly to slip
             # past filters; nothing legitimate needs them, so they are refused outright.
             why = forbidden_reason(literal) or "not written as a.b.c.d"
             raise TargetRefused(
-                f"refused by SSRF guard: {host} is a non-canonical IPv4 form of {literal}, "
-                f"{why}"
+                f"refused by SSRF guard: {host} is a non-canonical IPv4 form of {literal}, {why}"
             )
         if literal is not None:
             addresses: list[IPAddress] = [literal]

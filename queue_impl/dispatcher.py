@@ -1,0 +1,540 @@
+"""The HTTP dispatcher: the loop each worker process runs.
+
+Claim a batch in one short transaction, commit, execute the batch concurrently over HTTP with
+no transaction open, then write every result back in one call. Leases bound how long a job
+may be held: the HTTP timeout plus a margin for the result write must fit inside the lease,
+or another worker may take the job while this one is still running it (`validate`).
+
+The dispatcher reports what it does through an `EventSink` (kinds as in
+`reports.history.WorkerEventKind`), so that this package imports nothing from the harness:
+the worker pool wires the sink to the run directory.
+
+Signals: SIGTERM (and SIGINT) stop claiming, let in-flight calls finish (bounded by the HTTP
+timeout), write their results, release leases never started, and return. SIGKILL leaves the
+leases to expire and be recovered, as in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal, Protocol
+
+import aiohttp
+
+from queue_impl.interface import (
+    ACCOUNT_HEADER,
+    ATTEMPT_HEADER,
+    JOB_ID_HEADER,
+    WORKER_HEADER,
+    AttemptResult,
+    Lease,
+    Outcome,
+    QueueBackend,
+)
+from queue_impl.retry import RetryPolicy, classify_status
+from queue_impl.ssrf import AllowedTarget, PinnedResolver, TargetRefused, UrlGuard
+
+# (kind, fields): kinds and fields as `reports.history.WorkerEventKind` documents them.
+# `job_id` and `attempt` are lifted into the record; every other field is its data.
+EventSink = Callable[[str, Mapping[str, Any]], None]
+
+FailpointName = Literal["crash_after_claim", "crash_after_http"]
+FAILPOINT_NAMES: tuple[FailpointName, ...] = ("crash_after_claim", "crash_after_http")
+# The exit status of a process killed by a failpoint, so the pool can tell it from a bug.
+FAILPOINT_EXIT_CODE = 77
+
+HttpResultName = Literal["ok", "http_error", "timeout", "connection_error", "refused"]
+
+
+class ConfigError(ValueError):
+    """A dispatcher setting that cannot work; the message is one line saying what to fix."""
+
+
+class BackendFactory(Protocol):
+    """What the dispatcher needs from `queue_impl.plugins.BackendSpec`: a picklable recipe
+    that opens a backend inside the process that calls it."""
+
+    def create(self) -> QueueBackend: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatcherConfig:
+    batch: int = 10
+    lease_seconds: float = 30.0
+    http_timeout_seconds: float = 10.0
+    # Time reserved, inside the lease, for writing the result after the HTTP call ends.
+    write_margin_seconds: float = 5.0
+    # Slow poll when no notification arrives (LISTEN/NOTIFY is the fast path).
+    poll_seconds: float = 1.0
+    recovery_enabled: bool = True
+    recovery_interval_seconds: float = 1.0
+    renew_leases: bool = True
+    retry_base_seconds: float = 1.0
+    retry_cap_seconds: float = 60.0
+    retry_jitter: float = 0.5
+    allow_targets: tuple[str, ...] = ()  # "HOST:PORT"
+    # Skip the lease/timeout rule, for experiments that want to show what breaking it does.
+    unsafe_timing: bool = False
+    failpoints: tuple[tuple[str, float], ...] = ()  # (name, probability per job)
+
+    def validate(self) -> None:
+        """Raise ConfigError for a setting that cannot work."""
+        _positive_int("batch", self.batch)
+        _positive("lease", self.lease_seconds)
+        _positive("HTTP timeout", self.http_timeout_seconds)
+        _positive("poll interval", self.poll_seconds)
+        _positive("recovery interval", self.recovery_interval_seconds)
+        if not math.isfinite(self.write_margin_seconds) or self.write_margin_seconds < 0:
+            raise ConfigError(
+                f"write margin must be 0 or more seconds (got {self.write_margin_seconds})"
+            )
+        try:
+            self.retry_policy()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        for text in self.allow_targets:
+            try:
+                AllowedTarget.parse(text)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        for name, probability in self.failpoints:
+            if name not in FAILPOINT_NAMES:
+                raise ConfigError(
+                    f"unknown failpoint {name!r} (known: {', '.join(FAILPOINT_NAMES)})"
+                )
+            if not 0.0 <= probability <= 1.0:
+                raise ConfigError(
+                    f"failpoint {name} probability must be between 0 and 1 (got {probability})"
+                )
+        needed = self.http_timeout_seconds + self.write_margin_seconds
+        if not self.unsafe_timing and needed >= self.lease_seconds:
+            raise ConfigError(
+                f"HTTP timeout {self.http_timeout_seconds:g}s + write margin "
+                f"{self.write_margin_seconds:g}s must be shorter than the lease "
+                f"{self.lease_seconds:g}s: the call and the result write must finish inside "
+                "the lease, or another worker may take the job while this one still runs it "
+                "(raise the lease, lower the timeout, or pass --unsafe-timing for experiments)"
+            )
+
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(
+            base_seconds=self.retry_base_seconds,
+            cap_seconds=self.retry_cap_seconds,
+            jitter=self.retry_jitter,
+        )
+
+    def failpoint_probability(self, name: FailpointName) -> float:
+        return max((p for n, p in self.failpoints if n == name), default=0.0)
+
+
+def validate_worker_count(count: int) -> None:
+    """Worker counts live outside the config (one config is shared by all processes)."""
+    _positive_int("worker count", count)
+
+
+def _positive_int(what: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{what} must be a positive whole number (got {value!r})")
+
+
+def _positive(what: str, value: float) -> None:
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{what} must be a positive number of seconds (got {value!r})")
+
+
+def _iso(when: datetime) -> str:
+    return when.isoformat()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Call:
+    """One HTTP call as it ended."""
+
+    result: HttpResultName
+    outcome: Outcome
+    status: int | None
+    error: str | None
+    start: float
+    end: float
+
+
+class Dispatcher:
+    """One worker's loop. Create it inside the worker process; `run()` returns after a
+    graceful stop."""
+
+    def __init__(
+        self,
+        backend: QueueBackend,
+        config: DispatcherConfig,
+        worker_id: str,
+        sink: EventSink,
+        *,
+        guard: UrlGuard | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        config.validate()
+        self.backend = backend
+        self.config = config
+        self.worker_id = worker_id
+        self._sink = sink
+        self._guard = guard or UrlGuard(config.allow_targets)
+        self._rng = rng or random.Random()
+        self._policy = config.retry_policy()
+        self._lease = timedelta(seconds=config.lease_seconds)
+        self._stopping = asyncio.Event()
+        self._stop_reason = "stopped"
+        self._next_recovery = 0.0
+
+    # -- events ----------------------------------------------------------------------------
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        self._sink(kind, fields)
+
+    def request_stop(self, reason: str = "stopped") -> None:
+        """Stop claiming; in-flight work is finished or released before `run()` returns."""
+        if not self._stopping.is_set():
+            self._stop_reason = reason
+            self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    # -- the loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.emit("start", pid=os.getpid())
+        resolver = PinnedResolver()
+        # No DNS cache: every connection asks the pinned resolver, which knows only the
+        # address the guard vetted. One connection pool per worker, sized to the batch.
+        connector = aiohttp.TCPConnector(
+            resolver=resolver, use_dns_cache=False, limit=max(self.config.batch, 1)
+        )
+        try:
+            async with aiohttp.ClientSession(
+                connector=connector, raise_for_status=False, auto_decompress=True
+            ) as session:
+                while not self.stopping:
+                    await self._maybe_recover()
+                    if self.stopping:
+                        break
+                    leases = await self._claim()
+                    if leases is None:
+                        continue
+                    if not leases:
+                        await asyncio.to_thread(
+                            self.backend.wait_for_work, self.config.poll_seconds
+                        )
+                        continue
+                    await self._run_batch(session, resolver, leases)
+        finally:
+            self.emit("stop", reason=self._stop_reason)
+            await asyncio.to_thread(self.backend.close)
+
+    async def _maybe_recover(self) -> None:
+        if not self.config.recovery_enabled or time.monotonic() < self._next_recovery:
+            return
+        self._next_recovery = time.monotonic() + self.config.recovery_interval_seconds
+        try:
+            moved = await asyncio.to_thread(self.backend.recover)
+        except Exception as exc:
+            _log(f"{self.worker_id}: recovery failed: {_one_line(exc)}")
+            await self._reconnect()
+            return
+        if moved:
+            self.emit("recover", count=moved)
+
+    async def _claim(self) -> list[Lease] | None:
+        """A batch of leases; [] when nothing is due; None after a database error (the
+        claim may or may not have committed: its leases, if any, will expire)."""
+        try:
+            return await asyncio.to_thread(
+                self.backend.claim, self.worker_id, self.config.batch, self._lease
+            )
+        except Exception as exc:
+            _log(f"{self.worker_id}: claim failed: {_one_line(exc)}")
+            await self._reconnect()
+            await self._sleep_unless_stopping(self.config.poll_seconds)
+            return None
+
+    async def _reconnect(self) -> None:
+        # The backend reconnects lazily on its next call once closed.
+        try:
+            await asyncio.to_thread(self.backend.close)
+        except Exception as exc:
+            _log(f"{self.worker_id}: closing the backend failed: {_one_line(exc)}")
+
+    async def _sleep_unless_stopping(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+
+    async def _run_batch(
+        self, session: aiohttp.ClientSession, resolver: PinnedResolver, leases: list[Lease]
+    ) -> None:
+        claimed_at = time.monotonic()
+        for lease in leases:
+            self.emit(
+                "claim",
+                job_id=str(lease.job_id),
+                attempt=lease.attempt,
+                lease_token=str(lease.lease_token),
+                locked_until=_iso(lease.locked_until),
+            )
+        for lease in leases:
+            self._failpoint("crash_after_claim", lease)
+        if self.stopping:
+            await self._release(leases)
+            return
+        current: dict[int, Lease] = dict(enumerate(leases))
+        tasks = [asyncio.create_task(self._execute(session, resolver, lease)) for lease in leases]
+        renewer = None
+        if self.config.renew_leases:
+            renewer = asyncio.create_task(self._renew_while_running(claimed_at, tasks, current))
+        try:
+            calls = await asyncio.gather(*tasks)
+        finally:
+            if renewer is not None:
+                renewer.cancel()
+                await asyncio.gather(renewer, return_exceptions=True)
+        results = [self._result(current[i], call) for i, call in enumerate(calls)]
+        await self._finish(results)
+
+    async def _execute(
+        self, session: aiohttp.ClientSession, resolver: PinnedResolver, lease: Lease
+    ) -> _Call:
+        start = time.time()
+        try:
+            target = await self._guard.vet(lease.target_url)
+        except TargetRefused as exc:
+            call = _Call(
+                result="refused",
+                outcome=Outcome.PERMANENT,
+                status=None,
+                error=str(exc),
+                start=start,
+                end=time.time(),
+            )
+        else:
+            resolver.pin(target)
+            call = await self._post(session, lease, start)
+        self.emit(
+            "http",
+            job_id=str(lease.job_id),
+            attempt=lease.attempt,
+            start=call.start,
+            end=call.end,
+            result=call.result,
+            status=call.status,
+            error=call.error,
+        )
+        if call.outcome is Outcome.SUCCESS:
+            self._failpoint("crash_after_http", lease)
+        return call
+
+    async def _post(self, session: aiohttp.ClientSession, lease: Lease, start: float) -> _Call:
+        headers = {
+            JOB_ID_HEADER: str(lease.job_id),
+            ATTEMPT_HEADER: str(lease.attempt),
+            ACCOUNT_HEADER: lease.account_id,
+            WORKER_HEADER: self.worker_id,
+        }
+        timeout = aiohttp.ClientTimeout(total=self.config.http_timeout_seconds)
+        status: int | None = None
+        try:
+            async with session.post(
+                lease.target_url,
+                json=dict(lease.payload),
+                headers=headers,
+                timeout=timeout,
+                allow_redirects=False,
+            ) as response:
+                status = response.status
+                await response.read()
+        except TimeoutError:
+            return _Call(
+                result="timeout",
+                outcome=Outcome.TRANSIENT,
+                status=None,
+                error=f"no answer within {self.config.http_timeout_seconds:g}s",
+                start=start,
+                end=time.time(),
+            )
+        except (aiohttp.ClientError, OSError) as exc:
+            if status is None:
+                return _Call(
+                    result="connection_error",
+                    outcome=Outcome.TRANSIENT,
+                    status=None,
+                    error=_one_line(exc) or type(exc).__name__,
+                    start=start,
+                    end=time.time(),
+                )
+            # The status line arrived but the body did not: judge by the status.
+        assert status is not None
+        end = time.time()
+        if 300 <= status < 400:
+            # Following a redirect would connect somewhere the guard never vetted.
+            return _Call(
+                result="http_error",
+                outcome=Outcome.PERMANENT,
+                status=status,
+                error=f"redirect not followed (HTTP {status})",
+                start=start,
+                end=end,
+            )
+        outcome = classify_status(status)
+        return _Call(
+            result="ok" if outcome is Outcome.SUCCESS else "http_error",
+            outcome=outcome,
+            status=status,
+            error=None if outcome is Outcome.SUCCESS else f"HTTP {status}",
+            start=start,
+            end=end,
+        )
+
+    def _result(self, lease: Lease, call: _Call) -> AttemptResult:
+        delay = timedelta(0)
+        if call.outcome is Outcome.TRANSIENT:
+            delay = self._policy.delay(lease.attempt)
+        return AttemptResult(
+            lease=lease,
+            outcome=call.outcome,
+            http_status=call.status,
+            error=call.error,
+            retry_delay=delay,
+            started_at=datetime.fromtimestamp(call.start).astimezone(),
+            finished_at=datetime.fromtimestamp(call.end).astimezone(),
+        )
+
+    async def _finish(self, results: list[AttemptResult]) -> None:
+        try:
+            written = await asyncio.to_thread(self.backend.finish, results)
+        except Exception as exc:
+            # The write may or may not have committed: unknown, not failed.
+            error = _one_line(exc)
+            for result in results:
+                self.emit(
+                    "write",
+                    job_id=str(result.lease.job_id),
+                    attempt=result.lease.attempt,
+                    outcome=result.outcome.value,
+                    result="info",
+                    error=error,
+                )
+            await self._reconnect()
+            return
+        for result, write in zip(results, written, strict=True):
+            self.emit(
+                "write",
+                job_id=str(result.lease.job_id),
+                attempt=result.lease.attempt,
+                outcome=result.outcome.value,
+                result=write.value,
+                error=result.error,
+            )
+
+    async def _release(self, leases: Sequence[Lease]) -> None:
+        try:
+            written = await asyncio.to_thread(self.backend.release, leases)
+        except Exception as exc:
+            _log(f"{self.worker_id}: releasing leases failed, they will expire: {exc}")
+            return
+        for lease, write in zip(leases, written, strict=True):
+            self.emit(
+                "release",
+                job_id=str(lease.job_id),
+                attempt=lease.attempt,
+                result=write.value,
+            )
+
+    async def _renew_while_running(
+        self, claimed_at: float, tasks: Sequence[asyncio.Task[_Call]], current: dict[int, Lease]
+    ) -> None:
+        """Extend the leases of calls still running once half the lease has passed, so a
+        slow call is not taken over while it runs. Lost leases stay lost: their results will
+        be fenced."""
+        half = self.config.lease_seconds / 2
+        due = claimed_at + half
+        lost: set[int] = set()
+        while True:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            running = [i for i, task in enumerate(tasks) if not task.done() and i not in lost]
+            if not running:
+                return
+            renewed_at = time.monotonic()
+            leases = [current[i] for i in running]
+            try:
+                answers = await asyncio.to_thread(self.backend.renew, leases, self._lease)
+            except Exception as exc:
+                _log(f"{self.worker_id}: lease renewal failed: {_one_line(exc)}")
+                await self._reconnect()
+                due = time.monotonic() + min(half, self.config.poll_seconds)
+                continue
+            for i, lease, answer in zip(running, leases, answers, strict=True):
+                if answer is None:
+                    lost.add(i)
+                    self.emit("renew", job_id=str(lease.job_id), attempt=lease.attempt, lost=True)
+                else:
+                    current[i] = answer
+                    self.emit(
+                        "renew",
+                        job_id=str(lease.job_id),
+                        attempt=lease.attempt,
+                        locked_until=_iso(answer.locked_until),
+                    )
+            due = renewed_at + half
+
+    def _failpoint(self, name: FailpointName, lease: Lease) -> None:
+        probability = self.config.failpoint_probability(name)
+        if probability > 0 and self._rng.random() < probability:
+            self.emit("failpoint", name=name, job_id=str(lease.job_id), attempt=lease.attempt)
+            # No cleanup on purpose: this is the crash being simulated.
+            os._exit(FAILPOINT_EXIT_CODE)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _log(message: str) -> None:
+    print(f"skiplock worker: {message}", file=sys.stderr, flush=True)
+
+
+def run_worker(
+    spec: BackendFactory, config: DispatcherConfig, worker_id: str, sink: EventSink
+) -> None:
+    """The body of one worker process: open the backend here (after the process started),
+    run until SIGTERM or SIGINT, drain, and return."""
+    backend = spec.create()
+    dispatcher = Dispatcher(backend, config, worker_id, sink)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, dispatcher.request_stop, signal.Signals(signum).name)
+        await dispatcher.run()
+
+    asyncio.run(main())
+
+
+__all__ = [
+    "FAILPOINT_EXIT_CODE",
+    "FAILPOINT_NAMES",
+    "BackendFactory",
+    "ConfigError",
+    "Dispatcher",
+    "DispatcherConfig",
+    "EventSink",
+    "run_worker",
+    "validate_worker_count",
+]

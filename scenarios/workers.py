@@ -1,0 +1,183 @@
+"""The worker pool: N dispatcher processes, each writing its own event log.
+
+Children are started with the `spawn` context, so none inherits a socket, a lock or an event
+loop from the parent; each opens its backend (`spec.create()`) after it starts. They report
+only through their event files (`events_dir/<worker_id>.jsonl`, `reports.history.WorkerEvent`
+records), never through a pipe or a shared lock, so a worker killed at any moment leaves the
+others and the history intact. Leaving the context stops them: SIGTERM, a grace period to
+drain, then SIGKILL for any that remain, so no process is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import multiprocess
+
+from queue_impl.dispatcher import (
+    BackendFactory,
+    DispatcherConfig,
+    run_worker,
+    validate_worker_count,
+)
+from reports.history import JsonlWriter, WorkerEvent
+
+_RECORD_FIELDS = ("job_id", "attempt")
+
+
+def _worker_main(
+    spec: BackendFactory, config: DispatcherConfig, worker_id: str, events_path: str
+) -> None:
+    """Entry point of one worker process."""
+    _die_with_parent()
+    writer = JsonlWriter(Path(events_path))
+
+    def sink(kind: str, fields: Mapping[str, Any]) -> None:
+        data = {k: v for k, v in fields.items() if k not in _RECORD_FIELDS}
+        attempt = fields.get("attempt")
+        writer.write(
+            WorkerEvent(
+                kind=kind,  # type: ignore[arg-type]  # kinds are the dispatcher's contract
+                worker=worker_id,
+                time=time.time(),
+                job_id=fields.get("job_id"),
+                attempt=None if attempt is None else int(attempt),
+                data=data,
+            )
+        )
+
+    try:
+        run_worker(spec, config, worker_id, sink)
+    except BaseException as exc:
+        writer.write(
+            WorkerEvent(
+                kind="stop",
+                worker=worker_id,
+                time=time.time(),
+                data={"reason": f"error: {type(exc).__name__}: {exc}"},
+            )
+        )
+        raise
+    finally:
+        writer.close()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process if the parent dies (even by SIGKILL), so a killed
+    harness never leaves workers running. Elsewhere this is a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() == 1:  # the parent already died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class WorkerPool:
+    """`count` dispatcher processes sharing one backend spec and config."""
+
+    def __init__(
+        self,
+        spec: BackendFactory,
+        config: DispatcherConfig,
+        count: int,
+        events_dir: Path,
+        name_prefix: str = "worker",
+    ) -> None:
+        validate_worker_count(count)
+        config.validate()
+        self.spec = spec
+        self.config = config
+        self.events_dir = Path(events_dir)
+        self.worker_ids = [f"{name_prefix}-{i}" for i in range(count)]
+        self._context = multiprocess.get_context("spawn")
+        self._processes: list[Any] = []
+
+    def events_path(self, worker_id: str) -> Path:
+        return self.events_dir / f"{worker_id}.jsonl"
+
+    def start(self) -> None:
+        """Start every worker. Calling it again does nothing."""
+        if self._processes:
+            return
+        self.events_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for worker_id in self.worker_ids:
+                process = self._context.Process(
+                    target=_worker_main,
+                    args=(self.spec, self.config, worker_id, str(self.events_path(worker_id))),
+                    name=worker_id,
+                    daemon=False,
+                )
+                process.start()
+                self._processes.append(process)
+        except BaseException:
+            self.stop(grace_seconds=0.0)
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [int(p.pid) for p in self._processes]
+
+    def alive(self) -> list[bool]:
+        return [bool(p.is_alive()) for p in self._processes]
+
+    def exitcodes(self) -> list[int | None]:
+        """Exit codes so far (None: still running; negative: killed by that signal)."""
+        return [p.exitcode for p in self._processes]
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to worker `index` (SIGKILL mid-lease, SIGSTOP / SIGCONT to pause)."""
+        process = self._processes[index]
+        if process.is_alive():
+            os.kill(int(process.pid), sig)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for every worker to exit; True when all have."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for process in self._processes:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            process.join(left)
+        return not any(self.alive())
+
+    def stop(self, grace_seconds: float | None = None) -> None:
+        """SIGTERM every worker, wait up to `grace_seconds` for them to drain (default: the
+        HTTP timeout + write margin + poll interval + 5 s), then SIGKILL the rest."""
+        if grace_seconds is None:
+            grace_seconds = (
+                self.config.http_timeout_seconds
+                + self.config.write_margin_seconds
+                + self.config.poll_seconds
+                + 5.0
+            )
+        for process in self._processes:
+            if process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    # A paused (SIGSTOPped) worker cannot drain until it is resumed.
+                    os.kill(int(process.pid), signal.SIGCONT)
+                    os.kill(int(process.pid), signal.SIGTERM)
+        self.join(grace_seconds)
+        for process in self._processes:
+            if process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(process.pid), signal.SIGKILL)
+        for process in self._processes:
+            process.join(5.0)
+
+    def __enter__(self) -> WorkerPool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,91 @@
+"""DispatcherConfig validation: every bad setting is refused with one line saying what to fix."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import replace
+
+import pytest
+
+from queue_impl.dispatcher import ConfigError, DispatcherConfig, validate_worker_count
+
+
+def test_defaults_are_valid_and_picklable() -> None:
+    config = DispatcherConfig()
+    config.validate()
+    assert pickle.loads(pickle.dumps(config)) == config
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"batch": 0}, "batch must be a positive whole number"),
+        ({"batch": -3}, "batch must be a positive whole number"),
+        ({"batch": 2.5}, "batch must be a positive whole number"),
+        ({"lease_seconds": 0.0}, "lease must be a positive number"),
+        ({"lease_seconds": float("nan")}, "lease must be a positive number"),
+        ({"http_timeout_seconds": -1.0}, "HTTP timeout must be a positive number"),
+        ({"poll_seconds": 0.0}, "poll interval must be a positive number"),
+        ({"recovery_interval_seconds": 0.0}, "recovery interval must be a positive"),
+        ({"write_margin_seconds": -0.5}, "write margin must be 0 or more"),
+        ({"retry_base_seconds": 10.0, "retry_cap_seconds": 1.0}, "base <= cap"),
+        ({"retry_jitter": 1.5}, "jitter must be between 0 and 1"),
+        ({"allow_targets": ("127.0.0.1",)}, "is not HOST:PORT"),
+        ({"allow_targets": ("localhost:0",)}, "port must be 1-65535"),
+        ({"failpoints": (("crash_sometimes", 0.5),)}, "unknown failpoint 'crash_sometimes'"),
+        ({"failpoints": (("crash_after_http", 1.5),)}, "probability must be between 0 and 1"),
+    ],
+)
+def test_bad_setting_is_refused_with_one_line(changes: dict[str, object], expected: str) -> None:
+    config = replace(DispatcherConfig(), **changes)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError) as info:
+        config.validate()
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "margin", "lease"),
+    [(10.0, 5.0, 15.0), (10.0, 5.0, 12.0), (30.0, 0.0, 30.0), (0.5, 2.0, 2.0)],
+)
+def test_timeout_plus_margin_must_fit_inside_the_lease(
+    timeout: float, margin: float, lease: float
+) -> None:
+    config = DispatcherConfig(
+        http_timeout_seconds=timeout, write_margin_seconds=margin, lease_seconds=lease
+    )
+    with pytest.raises(ConfigError) as info:
+        config.validate()
+    message = str(info.value)
+    assert "must be shorter than the lease" in message
+    assert "another worker may take the job" in message
+    assert "--unsafe-timing" in message
+    # The explicit flag for experiments lets the same numbers through.
+    replace(config, unsafe_timing=True).validate()
+
+
+def test_timing_that_fits_is_accepted() -> None:
+    DispatcherConfig(
+        http_timeout_seconds=0.5, write_margin_seconds=0.5, lease_seconds=2.0
+    ).validate()
+
+
+def test_known_failpoints_and_their_probabilities() -> None:
+    config = DispatcherConfig(failpoints=(("crash_after_claim", 0.25), ("crash_after_http", 1.0)))
+    config.validate()
+    assert config.failpoint_probability("crash_after_claim") == 0.25
+    assert config.failpoint_probability("crash_after_http") == 1.0
+    assert DispatcherConfig().failpoint_probability("crash_after_http") == 0.0
+
+
+def test_retry_policy_follows_the_config() -> None:
+    policy = DispatcherConfig(
+        retry_base_seconds=2.0, retry_cap_seconds=10.0, retry_jitter=0.0
+    ).retry_policy()
+    assert [policy.delay(n).total_seconds() for n in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 10.0]
+
+
+@pytest.mark.parametrize("count", [0, -1])
+def test_worker_count_must_be_positive(count: int) -> None:
+    with pytest.raises(ConfigError, match="worker count must be a positive whole number"):
+        validate_worker_count(count)
