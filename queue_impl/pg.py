@@ -1,0 +1,455 @@
+"""The reference PostgreSQL queue, and the seeds' anti-patterns as variants of it.
+
+Every statement is a named block (`queue_impl/sql/reference.sql`, replaceable by name with
+`sql=FILE`). Connections are opened lazily, one per role, in the process that uses the queue;
+a queue object that crosses a fork forgets its parent's connections instead of sharing them.
+A connection lost mid-call is dropped and reopened on the next call; the error itself
+propagates unchanged (an error during COMMIT means "unknown", and the caller records it so).
+
+Variants:
+- `pg`: claim with `FOR UPDATE SKIP LOCKED` in a short transaction (the reference).
+- `pg-for-update`: the same claim without SKIP LOCKED: correct, but claimers queue.
+- `pg-naive`: select due ids with no row lock, then update them in a separate statement with
+  no status re-check: two workers really can take the same job.
+- `pg-long-tx`: the reference claim, but its transaction stays open until `finish` commits
+  it, i.e. across the HTTP call; a crash rolls the claim back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from datetime import datetime, timedelta
+from enum import Enum
+from pathlib import Path
+from typing import Any, assert_never, get_args
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import DictRow, dict_row
+from psycopg.types.json import Jsonb
+
+from queue_impl.interface import (
+    Account,
+    AttemptResult,
+    BackendName,
+    JobState,
+    JobStatus,
+    Lease,
+    NewJob,
+    WriteResult,
+)
+from queue_impl.sqlfile import statements_with_overrides
+
+Variant = BackendName
+VARIANTS: tuple[Variant, ...] = get_args(BackendName)
+
+Conn = psycopg.Connection[DictRow]
+
+_SNAPSHOT_COLUMNS = frozenset(
+    {
+        "id",
+        "account_id",
+        "status",
+        "attempts",
+        "max_attempts",
+        "last_error",
+        "locked_until",
+        "next_attempt_at",
+    }
+)
+
+
+class Role(Enum):
+    """One connection per role, so a transaction held by one (the long-tx variant's claim)
+    never swallows another's statements."""
+
+    LEASE = "lease"  # claim, finish, renew, release
+    RECOVER = "recover"
+    ENQUEUE = "enqueue"
+    ADMIN = "admin"  # setup, accounts, snapshot
+    LISTEN = "listen"  # LISTEN, autocommit
+
+
+class PgQueue:
+    """A `QueueBackend` on PostgreSQL."""
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        schema: str = "skiplock",
+        sql: str | Path | None = None,
+        variant: Variant = "pg",
+    ) -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; use one of {', '.join(VARIANTS)}")
+        if not schema:
+            raise ValueError("the schema name must not be empty")
+        self.name: str = variant
+        self.variant: Variant = variant
+        self.schema = schema
+        self._dsn = dsn
+        self._statements = statements_with_overrides(sql)
+        self._conns: dict[Role, Conn] = {}
+        self._locks: dict[Role, threading.Lock] = {role: threading.Lock() for role in Role}
+        self._pid = os.getpid()
+        self._pinned: datetime | None = None
+        # Only the long-tx variant leaves the lease connection inside a transaction.
+        self._open_claim = False
+
+    def __repr__(self) -> str:
+        return f"PgQueue(variant={self.variant!r}, schema={self.schema!r})"
+
+    # -- connections ---------------------------------------------------------------------
+
+    @property
+    def channel(self) -> str:
+        """The NOTIFY channel: one per schema, so queues side by side do not wake each other."""
+        return f"skiplock_{self.schema}"
+
+    def _connect(self, role: Role) -> Conn:
+        conn: Conn = psycopg.connect(
+            self._dsn,
+            autocommit=role is Role.LISTEN,
+            row_factory=dict_row,
+            application_name=f"skiplock-{self.variant}-{role.value}",
+        )
+        try:
+            conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
+            if self._pinned is not None:
+                conn.execute(
+                    "SELECT set_config('skiplock.now', %s, false)", [self._pinned.isoformat()]
+                )
+            if role is Role.LISTEN:
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+            else:
+                conn.commit()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _conn(self, role: Role) -> Conn:
+        if os.getpid() != self._pid:
+            # Inherited across fork: the sockets belong to the parent. Forget them without
+            # closing (closing would end the parent's sessions too).
+            self._conns.clear()
+            self._open_claim = False
+            self._pid = os.getpid()
+        conn = self._conns.get(role)
+        if conn is not None and (conn.closed or conn.broken):
+            del self._conns[role]
+            conn = None
+            if role is Role.LEASE:
+                self._open_claim = False
+        if conn is None:
+            conn = self._connect(role)
+            self._conns[role] = conn
+        return conn
+
+    def _drop(self, role: Role) -> None:
+        conn = self._conns.pop(role, None)
+        if role is Role.LEASE:
+            self._open_claim = False
+        if conn is not None:
+            with suppress(psycopg.Error):
+                conn.close()
+
+    def _rollback(self, role: Role, conn: Conn) -> None:
+        if role is Role.LEASE:
+            self._open_claim = False
+        if conn.broken or conn.closed:
+            self._drop(role)
+            return
+        try:
+            conn.rollback()
+        except psycopg.Error:
+            self._drop(role)
+
+    @contextmanager
+    def _tx(self, role: Role, *, commit: bool = True) -> Iterator[Conn]:
+        """A transaction on the role's connection; with commit=False it is left open."""
+        with self._locks[role]:
+            conn = self._conn(role)
+            try:
+                yield conn
+            except BaseException:
+                self._rollback(role, conn)
+                raise
+            if commit:
+                try:
+                    conn.commit()
+                except BaseException:
+                    # The outcome is unknown; the caller sees the error as-is.
+                    self._rollback(role, conn)
+                    raise
+                if role is Role.LEASE:
+                    self._open_claim = False
+
+    def _run(self, conn: Conn, block: str, params: Mapping[str, Any]) -> list[DictRow]:
+        cur = conn.execute(self._statements[block], params)
+        return cur.fetchall() if cur.description is not None else []
+
+    def pin_clock(self, when: datetime | None) -> None:
+        """Pin the SQL clock (`skiplock_now()`) on this queue's connections; None unpins.
+        For tests: time becomes a rule, never a sleep."""
+        if when is not None and when.tzinfo is None:
+            raise ValueError("pin_clock needs a timezone-aware datetime")
+        self._pinned = when
+        value = "" if when is None else when.isoformat()
+        for role in list(self._conns):
+            with self._locks[role]:
+                conn = self._conns.get(role)
+                if conn is None or conn.closed:
+                    continue
+                # A session-level setting; committed at once so a rollback cannot undo it.
+                conn.execute("SELECT set_config('skiplock.now', %s, false)", [value])
+                if role is not Role.LISTEN and not (role is Role.LEASE and self._open_claim):
+                    conn.commit()
+
+    def close(self) -> None:
+        for role in list(self._conns):
+            with self._locks[role]:
+                self._drop(role)
+
+    # -- QueueBackend ------------------------------------------------------------------
+
+    def setup(self) -> None:
+        with self._tx(Role.ADMIN) as conn:
+            self._run(conn, "setup_lock", {"lock_key": f"skiplock-schema:{self.schema}"})
+            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+                sql.Identifier(self.schema)
+            ))
+            # A script with no parameters: psycopg sends it as one simple query.
+            conn.execute(self._statements["schema"])
+
+    def upsert_accounts(self, accounts: Sequence[Account]) -> None:
+        if not accounts:
+            return
+        with self._tx(Role.ADMIN) as conn:
+            self._run(
+                conn,
+                "upsert_accounts",
+                {
+                    "account_ids": [a.id for a in accounts],
+                    "limits": [a.concurrency_limit for a in accounts],
+                },
+            )
+
+    def enqueue(self, jobs: Sequence[NewJob]) -> None:
+        if not jobs:
+            return
+        params = {
+            "job_ids": [j.id for j in jobs],
+            "account_ids": [j.account_id for j in jobs],
+            "target_urls": [j.target_url for j in jobs],
+            "payloads": [Jsonb(dict(j.payload)) for j in jobs],
+            "run_ats": [j.run_at for j in jobs],
+            "max_attempts": [j.max_attempts for j in jobs],
+        }
+        with self._tx(Role.ENQUEUE) as conn:
+            self._run(conn, "enqueue", params)
+            self._run(conn, "notify", {"channel": self.channel})
+
+    def claim(self, worker_id: str, batch: int, lease: timedelta) -> list[Lease]:
+        if batch <= 0:
+            raise ValueError("batch must be positive")
+        if lease <= timedelta(0):
+            raise ValueError("lease must be positive")
+        match self.variant:
+            case "pg":
+                return self._claim_locked(worker_id, batch, lease, skip_locked=True, hold=False)
+            case "pg-for-update":
+                return self._claim_locked(worker_id, batch, lease, skip_locked=False, hold=False)
+            case "pg-long-tx":
+                return self._claim_locked(worker_id, batch, lease, skip_locked=True, hold=True)
+            case "pg-naive":
+                return self._claim_naive(worker_id, batch, lease)
+            case _:
+                assert_never(self.variant)
+
+    def _claim_locked(
+        self, worker_id: str, batch: int, lease: timedelta, *, skip_locked: bool, hold: bool
+    ) -> list[Lease]:
+        lock_block, claim_block = (
+            ("claim_lock_accounts", "claim")
+            if skip_locked
+            else ("claim_lock_accounts_wait", "claim_wait")
+        )
+        with self._locks[Role.LEASE]:
+            conn = self._conn(Role.LEASE)
+            try:
+                # Two statements on purpose (see the claim block): the second one's snapshot
+                # is taken after the first one's account locks.
+                locked = [row["id"] for row in self._run(conn, lock_block, {})]
+                rows = self._run(
+                    conn,
+                    claim_block,
+                    {
+                        "locked_accounts": locked,
+                        "batch": batch,
+                        "lease": lease,
+                        "worker_id": worker_id,
+                    },
+                )
+            except BaseException:
+                self._rollback(Role.LEASE, conn)
+                raise
+            if hold and rows:
+                # The anti-pattern: the claim stays uncommitted until finish().
+                self._open_claim = True
+            else:
+                try:
+                    conn.commit()
+                except BaseException:
+                    self._rollback(Role.LEASE, conn)
+                    raise
+                self._open_claim = False
+        return [_lease(row) for row in rows]
+
+    def _claim_naive(self, worker_id: str, batch: int, lease: timedelta) -> list[Lease]:
+        with self._tx(Role.LEASE) as conn:
+            ids = [row["id"] for row in self._run(conn, "naive_select_due", {"batch": batch})]
+        if not ids:
+            return []
+        with self._tx(Role.LEASE) as conn:
+            rows = self._run(
+                conn, "naive_take", {"job_ids": ids, "lease": lease, "worker_id": worker_id}
+            )
+        return [_lease(row) for row in rows]
+
+    def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
+        if not results:
+            return []
+        params = {
+            **_items([r.lease for r in results]),
+            "outcomes": [r.outcome.value for r in results],
+            "http_statuses": [r.http_status for r in results],
+            "errors": [r.error for r in results],
+            "retry_delays": [r.retry_delay for r in results],
+            "finished_ats": [r.finished_at for r in results],
+        }
+        with self._tx(Role.LEASE) as conn:
+            applied = {row["ord"] for row in self._run(conn, "finish", params)}
+        return _write_results(len(results), applied)
+
+    def renew(self, leases: Sequence[Lease], extend: timedelta) -> list[Lease | None]:
+        if not leases:
+            return []
+        if extend <= timedelta(0):
+            raise ValueError("extend must be positive")
+        with self._tx(Role.LEASE, commit=not self._open_claim) as conn:
+            rows = self._run(conn, "renew", {**_items(leases), "extend": extend})
+        until = {row["ord"]: row["locked_until"] for row in rows}
+        return [
+            _replace_until(lease, until[i]) if i in until else None
+            for i, lease in enumerate(leases)
+        ]
+
+    def release(self, leases: Sequence[Lease]) -> list[WriteResult]:
+        if not leases:
+            return []
+        with self._tx(Role.LEASE) as conn:
+            applied = {row["ord"] for row in self._run(conn, "release", _items(leases))}
+        return _write_results(len(leases), applied)
+
+    def recover(self, limit: int = 100) -> int:
+        if limit <= 0:
+            raise ValueError("limit must be positive")
+        with self._tx(Role.RECOVER) as conn:
+            rows = self._run(conn, "recover", {"limit": limit})
+        return int(next(iter(rows[0].values()))) if rows else 0
+
+    def wait_for_work(self, timeout: float) -> bool:
+        with self._locks[Role.LISTEN]:
+            conn = self._conn(Role.LISTEN)
+            try:
+                for _ in conn.notifies(timeout=max(timeout, 0.0), stop_after=1):
+                    return True
+            except psycopg.OperationalError:
+                self._drop(Role.LISTEN)
+                raise
+        return False
+
+    def snapshot(self) -> list[JobState]:
+        with self._tx(Role.ADMIN) as conn:
+            rows = self._run(conn, "snapshot", {})
+        return [_job_state(row) for row in rows]
+
+    # -- observability (tests and reports) ---------------------------------------------
+
+    def attempts_log(self) -> list[dict[str, Any]]:
+        """Every `job_attempts` row: one per execution."""
+        with self._tx(Role.ADMIN) as conn:
+            return [dict(row) for row in self._run(conn, "list_attempts", {})]
+
+    def fenced_log(self) -> list[dict[str, Any]]:
+        """Every `fenced_writes` row: one per refused write."""
+        with self._tx(Role.ADMIN) as conn:
+            return [dict(row) for row in self._run(conn, "list_fenced", {})]
+
+    def explain(self, block: str, params: Mapping[str, Any]) -> list[str]:
+        """The plan of a named block (EXPLAIN, no ANALYZE): nothing is executed."""
+        with self._tx(Role.ADMIN, commit=False) as conn:
+            try:
+                cur = conn.execute("EXPLAIN " + self._statements[block], params)
+                return [str(next(iter(row.values()))) for row in cur.fetchall()]
+            finally:
+                conn.rollback()
+
+
+def _items(leases: Sequence[Lease]) -> dict[str, list[Any]]:
+    return {
+        "ords": list(range(len(leases))),
+        "job_ids": [lease.job_id for lease in leases],
+        "lease_tokens": [lease.lease_token for lease in leases],
+        "attempts": [lease.attempt for lease in leases],
+        "workers": [lease.worker_id for lease in leases],
+    }
+
+
+def _write_results(count: int, applied: set[int]) -> list[WriteResult]:
+    return [WriteResult.APPLIED if i in applied else WriteResult.FENCED for i in range(count)]
+
+
+def _lease(row: Mapping[str, Any]) -> Lease:
+    return Lease(
+        job_id=_uuid(row["id"]),
+        account_id=str(row["account_id"]),
+        target_url=str(row["target_url"]),
+        payload=row["payload"],
+        attempt=int(row["attempts"]),
+        max_attempts=int(row["max_attempts"]),
+        lease_token=_uuid(row["lease_token"]),
+        locked_until=row["locked_until"],
+        worker_id=str(row["locked_by"]),
+    )
+
+
+def _replace_until(lease: Lease, locked_until: datetime) -> Lease:
+    return dataclasses.replace(lease, locked_until=locked_until)
+
+
+def _job_state(row: Mapping[str, Any]) -> JobState:
+    extra = {k: v for k, v in row.items() if k not in _SNAPSHOT_COLUMNS}
+    return JobState(
+        job_id=_uuid(row["id"]),
+        account_id=str(row["account_id"]),
+        status=JobStatus(row["status"]),
+        attempts=int(row["attempts"]),
+        max_attempts=int(row["max_attempts"]),
+        last_error=row["last_error"],
+        locked_until=row["locked_until"],
+        next_attempt_at=row["next_attempt_at"],
+        extra=extra,
+    )
+
+
+def _uuid(value: Any) -> uuid.UUID:
+    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
+

@@ -1,0 +1,523 @@
+-- The reference queue's statements, one named block each. A line "-- name: BLOCK" starts a
+-- block; it runs until the next such line. Placeholders are psycopg named parameters.
+-- Every statement runs with search_path set to the queue's schema, and reads the time from
+-- skiplock_now() so that tests can pin the clock instead of sleeping.
+-- See queue_impl/sqlfile.py for what each block must take and return.
+
+-- name: schema
+-- Run as one script (no placeholders), under an advisory lock, so it is idempotent and safe
+-- from many processes at once.
+CREATE OR REPLACE FUNCTION skiplock_now() RETURNS timestamptz
+LANGUAGE sql STABLE
+-- statement_timestamp(), not now(): a transaction held open across an HTTP call (the
+-- long-transaction variant) must still see time move between its statements.
+AS $$
+    SELECT COALESCE(
+        NULLIF(current_setting('skiplock.now', true), '')::timestamptz,
+        statement_timestamp()
+    )
+$$;
+
+CREATE TABLE IF NOT EXISTS accounts (
+    id text PRIMARY KEY,
+    -- NULL: unlimited, and claims for the account take no account lock.
+    concurrency_limit integer CHECK (concurrency_limit > 0)
+);
+
+CREATE TABLE IF NOT EXISTS jobs (
+    id uuid PRIMARY KEY,
+    account_id text NOT NULL REFERENCES accounts (id),
+    target_url text NOT NULL,
+    payload jsonb NOT NULL,
+    status text NOT NULL DEFAULT 'PENDING'
+        CHECK (status IN ('PENDING', 'PROCESSING', 'RETRYING', 'COMPLETED', 'FAILED')),
+    run_at timestamptz NOT NULL DEFAULT skiplock_now(),
+    next_attempt_at timestamptz,
+    attempts integer NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    max_attempts integer NOT NULL DEFAULT 3 CHECK (max_attempts > 0),
+    locked_until timestamptz,
+    -- A fresh token per claim: a result write must carry it, so a worker whose lease passed
+    -- to someone else is fenced instead of overwriting the new holder's state.
+    lease_token uuid,
+    locked_by text,
+    last_error text,
+    created_at timestamptz NOT NULL DEFAULT skiplock_now(),
+    finished_at timestamptz
+);
+
+-- The seed's three partial indexes: each claim CTE and the recovery scan reads only its own.
+CREATE INDEX IF NOT EXISTS jobs_pending ON jobs (run_at, id) WHERE status = 'PENDING';
+CREATE INDEX IF NOT EXISTS jobs_retrying ON jobs (next_attempt_at, id) WHERE status = 'RETRYING';
+CREATE INDEX IF NOT EXISTS jobs_processing_lease ON jobs (locked_until)
+    WHERE status = 'PROCESSING';
+-- The per-account active count in the claim reads only the jobs in flight.
+CREATE INDEX IF NOT EXISTS jobs_processing_account ON jobs (account_id)
+    WHERE status = 'PROCESSING';
+
+-- One row per execution (per claim), keyed by its lease token: start, end, outcome, worker.
+CREATE TABLE IF NOT EXISTS job_attempts (
+    lease_token uuid PRIMARY KEY,
+    job_id uuid NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
+    attempt integer NOT NULL,
+    worker text NOT NULL,
+    started_at timestamptz NOT NULL,
+    finished_at timestamptz,
+    outcome text CHECK (
+        outcome IN ('success', 'transient', 'permanent', 'lease_expired', 'released')
+    ),
+    http_status integer,
+    error text
+);
+CREATE INDEX IF NOT EXISTS job_attempts_job ON job_attempts (job_id, attempt);
+
+-- Every write refused because the caller no longer held the lease.
+CREATE TABLE IF NOT EXISTS fenced_writes (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    job_id uuid NOT NULL,
+    attempt integer NOT NULL,
+    lease_token uuid,
+    worker text NOT NULL,
+    operation text NOT NULL CHECK (operation IN ('finish', 'renew', 'release')),
+    outcome text,
+    at timestamptz NOT NULL
+);
+CREATE INDEX IF NOT EXISTS fenced_writes_job ON fenced_writes (job_id);
+
+-- name: setup_lock
+-- Serialises schema creation across processes; released when the transaction ends.
+SELECT pg_advisory_xact_lock(hashtext(%(lock_key)s));
+
+-- name: upsert_accounts
+INSERT INTO accounts (id, concurrency_limit)
+SELECT a.id, a.concurrency_limit
+FROM unnest(%(account_ids)s::text[], %(limits)s::integer[]) AS a (id, concurrency_limit)
+ON CONFLICT (id) DO UPDATE SET concurrency_limit = EXCLUDED.concurrency_limit;
+
+-- name: enqueue
+WITH
+-- The batch as rows: one statement and one round trip for the whole batch.
+batch AS (
+    SELECT *
+    FROM unnest(
+        %(job_ids)s::uuid[], %(account_ids)s::text[], %(target_urls)s::text[],
+        %(payloads)s::jsonb[], %(run_ats)s::timestamptz[], %(max_attempts)s::integer[]
+    ) AS b (id, account_id, target_url, payload, run_at, max_attempts)
+),
+-- Accounts the batch names that do not exist yet are created unlimited, so the foreign key
+-- holds; existing accounts (and their limits) are left alone.
+new_accounts AS (
+    INSERT INTO accounts (id)
+    SELECT DISTINCT account_id FROM batch
+    ON CONFLICT (id) DO NOTHING
+),
+-- A missing run_at means due now, by the queue's clock.
+inserted AS (
+    INSERT INTO jobs (id, account_id, target_url, payload, status, run_at, max_attempts)
+    SELECT id, account_id, target_url, payload, 'PENDING', COALESCE(run_at, skiplock_now()),
+        max_attempts
+    FROM batch
+    RETURNING id
+)
+SELECT count(*) AS enqueued FROM inserted;
+
+-- name: notify
+-- Sent in the enqueue transaction: listeners wake only once the jobs are visible.
+SELECT pg_notify(%(channel)s, '');
+
+-- name: claim_lock_accounts
+-- Step 1 of a claim (seed 1, section 9): lock the limited accounts that have due work, in id
+-- order. SKIP LOCKED: an account another claimer is deciding for is left to it this round.
+SELECT a.id
+FROM accounts AS a
+WHERE a.concurrency_limit IS NOT NULL
+  AND (
+      EXISTS (
+          SELECT 1 FROM jobs AS j
+          WHERE j.status = 'PENDING' AND j.run_at <= skiplock_now() AND j.account_id = a.id
+      )
+      OR EXISTS (
+          SELECT 1 FROM jobs AS j
+          WHERE j.status = 'RETRYING' AND j.next_attempt_at <= skiplock_now()
+            AND j.account_id = a.id
+      )
+  )
+ORDER BY a.id
+FOR UPDATE OF a SKIP LOCKED;
+
+-- name: claim
+-- Step 2 of a claim, a separate statement in the same transaction. Under READ COMMITTED it
+-- takes a fresh snapshot *after* step 1 got the account locks, so the active count below sees
+-- every PROCESSING row committed by whoever held those locks before us. Done as one statement
+-- with the locks, the count would use the snapshot from before the lock wait and over-admit.
+WITH
+-- Free slots of each account we locked: its limit minus the jobs it has in flight.
+active AS (
+    SELECT a.id AS account_id, a.concurrency_limit - count(j.id) AS free
+    FROM accounts AS a
+    LEFT JOIN jobs AS j ON j.account_id = a.id AND j.status = 'PROCESSING'
+    WHERE a.id = ANY(%(locked_accounts)s::text[])
+    GROUP BY a.id, a.concurrency_limit
+),
+-- Limited accounts we may not claim for: locked by another claimer, or full.
+closed AS (
+    SELECT a.id
+    FROM accounts AS a
+    WHERE a.concurrency_limit IS NOT NULL
+      AND a.id NOT IN (SELECT account_id FROM active WHERE free > 0)
+),
+-- Due PENDING rows, from the pending partial index in (run_at, id) order; SKIP LOCKED passes
+-- over rows other claimers hold, so claimers never wait on each other.
+pending AS (
+    SELECT j.id, j.account_id, j.run_at AS due_at
+    FROM jobs AS j
+    WHERE j.status = 'PENDING' AND j.run_at <= skiplock_now()
+      AND j.account_id NOT IN (SELECT id FROM closed)
+    ORDER BY j.run_at, j.id
+    LIMIT %(batch)s
+    FOR UPDATE OF j SKIP LOCKED
+),
+-- Due RETRYING rows, from the retrying partial index in (next_attempt_at, id) order, same rules.
+retrying AS (
+    SELECT j.id, j.account_id, j.next_attempt_at AS due_at
+    FROM jobs AS j
+    WHERE j.status = 'RETRYING' AND j.next_attempt_at <= skiplock_now()
+      AND j.account_id NOT IN (SELECT id FROM closed)
+    ORDER BY j.next_attempt_at, j.id
+    LIMIT %(batch)s
+    FOR UPDATE OF j SKIP LOCKED
+),
+-- Each account's candidates ranked oldest due first, so a limited account gets its free slots.
+ranked AS (
+    SELECT c.id, c.account_id, c.due_at,
+        row_number() OVER (PARTITION BY c.account_id ORDER BY c.due_at, c.id) AS n
+    FROM (SELECT * FROM pending UNION ALL SELECT * FROM retrying) AS c
+),
+-- Cut to the free slots of each limited account, then to the batch, oldest due first.
+picked AS (
+    SELECT r.id
+    FROM ranked AS r
+    LEFT JOIN active AS a ON a.account_id = r.account_id
+    WHERE a.account_id IS NULL OR r.n <= a.free
+    ORDER BY r.due_at, r.id
+    LIMIT %(batch)s
+),
+-- Take the leases: attempts + 1, a deadline, and a fresh token that fences every earlier holder.
+claimed AS (
+    UPDATE jobs AS j
+    SET status = 'PROCESSING',
+        attempts = j.attempts + 1,
+        locked_until = skiplock_now() + %(lease)s::interval,
+        lease_token = gen_random_uuid(),
+        locked_by = %(worker_id)s
+    FROM picked AS p
+    WHERE j.id = p.id
+    RETURNING j.id, j.account_id, j.target_url, j.payload, j.attempts, j.max_attempts,
+        j.lease_token, j.locked_until, j.locked_by
+),
+-- One attempts row per execution, so every delivery stays observable.
+logged AS (
+    INSERT INTO job_attempts (lease_token, job_id, attempt, worker, started_at)
+    SELECT lease_token, id, attempts, locked_by, skiplock_now() FROM claimed
+)
+SELECT * FROM claimed;
+
+-- name: claim_lock_accounts_wait
+-- The pg-for-update variant's step 1: as claim_lock_accounts, but waits for locked accounts.
+SELECT a.id
+FROM accounts AS a
+WHERE a.concurrency_limit IS NOT NULL
+  AND (
+      EXISTS (
+          SELECT 1 FROM jobs AS j
+          WHERE j.status = 'PENDING' AND j.run_at <= skiplock_now() AND j.account_id = a.id
+      )
+      OR EXISTS (
+          SELECT 1 FROM jobs AS j
+          WHERE j.status = 'RETRYING' AND j.next_attempt_at <= skiplock_now()
+            AND j.account_id = a.id
+      )
+  )
+ORDER BY a.id
+FOR UPDATE OF a;
+
+-- name: claim_wait
+-- The pg-for-update variant's step 2: the reference claim with FOR UPDATE and no SKIP LOCKED.
+-- Correct, but every claimer queues behind the one holding the oldest rows.
+WITH
+-- Free slots of each account we locked.
+active AS (
+    SELECT a.id AS account_id, a.concurrency_limit - count(j.id) AS free
+    FROM accounts AS a
+    LEFT JOIN jobs AS j ON j.account_id = a.id AND j.status = 'PROCESSING'
+    WHERE a.id = ANY(%(locked_accounts)s::text[])
+    GROUP BY a.id, a.concurrency_limit
+),
+-- Limited accounts that are full.
+closed AS (
+    SELECT a.id
+    FROM accounts AS a
+    WHERE a.concurrency_limit IS NOT NULL
+      AND a.id NOT IN (SELECT account_id FROM active WHERE free > 0)
+),
+-- Due PENDING rows; FOR UPDATE waits for rows another claimer holds, then re-checks them.
+pending AS (
+    SELECT j.id, j.account_id, j.run_at AS due_at
+    FROM jobs AS j
+    WHERE j.status = 'PENDING' AND j.run_at <= skiplock_now()
+      AND j.account_id NOT IN (SELECT id FROM closed)
+    ORDER BY j.run_at, j.id
+    LIMIT %(batch)s
+    FOR UPDATE OF j
+),
+-- Due RETRYING rows, waiting likewise.
+retrying AS (
+    SELECT j.id, j.account_id, j.next_attempt_at AS due_at
+    FROM jobs AS j
+    WHERE j.status = 'RETRYING' AND j.next_attempt_at <= skiplock_now()
+      AND j.account_id NOT IN (SELECT id FROM closed)
+    ORDER BY j.next_attempt_at, j.id
+    LIMIT %(batch)s
+    FOR UPDATE OF j
+),
+-- Each account's candidates ranked oldest due first.
+ranked AS (
+    SELECT c.id, c.account_id, c.due_at,
+        row_number() OVER (PARTITION BY c.account_id ORDER BY c.due_at, c.id) AS n
+    FROM (SELECT * FROM pending UNION ALL SELECT * FROM retrying) AS c
+),
+-- Cut to free slots and to the batch.
+picked AS (
+    SELECT r.id
+    FROM ranked AS r
+    LEFT JOIN active AS a ON a.account_id = r.account_id
+    WHERE a.account_id IS NULL OR r.n <= a.free
+    ORDER BY r.due_at, r.id
+    LIMIT %(batch)s
+),
+-- Take the leases.
+claimed AS (
+    UPDATE jobs AS j
+    SET status = 'PROCESSING',
+        attempts = j.attempts + 1,
+        locked_until = skiplock_now() + %(lease)s::interval,
+        lease_token = gen_random_uuid(),
+        locked_by = %(worker_id)s
+    FROM picked AS p
+    WHERE j.id = p.id
+    RETURNING j.id, j.account_id, j.target_url, j.payload, j.attempts, j.max_attempts,
+        j.lease_token, j.locked_until, j.locked_by
+),
+-- One attempts row per execution.
+logged AS (
+    INSERT INTO job_attempts (lease_token, job_id, attempt, worker, started_at)
+    SELECT lease_token, id, attempts, locked_by, skiplock_now() FROM claimed
+)
+SELECT * FROM claimed;
+
+-- name: naive_select_due
+-- The pg-naive variant's first step (seed 1, section 2): read due ids with no row lock.
+-- Nothing stops another worker from reading the same ids before we update them.
+SELECT j.id
+FROM jobs AS j
+WHERE (j.status = 'PENDING' AND j.run_at <= skiplock_now())
+   OR (j.status = 'RETRYING' AND j.next_attempt_at <= skiplock_now())
+ORDER BY COALESCE(j.next_attempt_at, j.run_at), j.id
+LIMIT %(batch)s;
+
+-- name: naive_take
+-- The pg-naive variant's second step: update what was read, without re-checking the status,
+-- so a job another worker took (or even finished) in between is taken again.
+WITH
+-- Take the leases of whatever ids the first step saw.
+claimed AS (
+    UPDATE jobs AS j
+    SET status = 'PROCESSING',
+        attempts = j.attempts + 1,
+        locked_until = skiplock_now() + %(lease)s::interval,
+        lease_token = gen_random_uuid(),
+        locked_by = %(worker_id)s
+    WHERE j.id = ANY(%(job_ids)s::uuid[])
+    RETURNING j.id, j.account_id, j.target_url, j.payload, j.attempts, j.max_attempts,
+        j.lease_token, j.locked_until, j.locked_by
+),
+-- One attempts row per execution, as in the reference.
+logged AS (
+    INSERT INTO job_attempts (lease_token, job_id, attempt, worker, started_at)
+    SELECT lease_token, id, attempts, locked_by, skiplock_now() FROM claimed
+)
+SELECT * FROM claimed;
+
+-- name: finish
+WITH
+-- The results, one row each, numbered in the caller's order (ord).
+results AS (
+    SELECT *
+    FROM unnest(
+        %(ords)s::integer[], %(job_ids)s::uuid[], %(lease_tokens)s::uuid[],
+        %(attempts)s::integer[], %(workers)s::text[], %(outcomes)s::text[],
+        %(http_statuses)s::integer[], %(errors)s::text[], %(retry_delays)s::interval[],
+        %(finished_ats)s::timestamptz[]
+    ) AS r (ord, job_id, lease_token, attempt, worker, outcome, http_status, error,
+        retry_delay, finished_at)
+),
+-- Apply each result only where its token still holds the lease (still PROCESSING, same
+-- token). The row lock the UPDATE takes re-checks that against the latest row version, so a
+-- concurrent recovery or claim wins or loses cleanly. Transient failures past max_attempts
+-- become dead letters, keeping the last error.
+applied AS (
+    UPDATE jobs AS j
+    SET status = CASE
+            WHEN r.outcome = 'success' THEN 'COMPLETED'
+            WHEN r.outcome = 'permanent' OR j.attempts >= j.max_attempts THEN 'FAILED'
+            ELSE 'RETRYING'
+        END,
+        next_attempt_at = CASE
+            WHEN r.outcome = 'transient' AND j.attempts < j.max_attempts
+                THEN skiplock_now() + r.retry_delay
+        END,
+        last_error = CASE WHEN r.outcome = 'success' THEN j.last_error ELSE r.error END,
+        finished_at = CASE
+            WHEN r.outcome = 'transient' AND j.attempts < j.max_attempts THEN NULL
+            ELSE skiplock_now()
+        END,
+        locked_until = NULL,
+        lease_token = NULL
+    FROM results AS r
+    WHERE j.id = r.job_id AND j.lease_token = r.lease_token AND j.status = 'PROCESSING'
+    RETURNING r.ord, r.lease_token
+),
+-- Close each applied attempt's row with its outcome.
+attempt_end AS (
+    UPDATE job_attempts AS a
+    SET finished_at = COALESCE(r.finished_at, skiplock_now()), outcome = r.outcome,
+        http_status = r.http_status, error = r.error
+    FROM applied AS p
+    JOIN results AS r ON r.ord = p.ord
+    WHERE a.lease_token = p.lease_token
+),
+-- Every result refused because its lease had passed on is recorded: stale-write evidence.
+fenced AS (
+    INSERT INTO fenced_writes (job_id, attempt, lease_token, worker, operation, outcome, at)
+    SELECT r.job_id, r.attempt, r.lease_token, r.worker, 'finish', r.outcome, skiplock_now()
+    FROM results AS r
+    WHERE r.ord NOT IN (SELECT ord FROM applied)
+)
+SELECT ord FROM applied;
+
+-- name: renew
+WITH
+-- The leases to extend, numbered in the caller's order.
+held AS (
+    SELECT *
+    FROM unnest(
+        %(ords)s::integer[], %(job_ids)s::uuid[], %(lease_tokens)s::uuid[],
+        %(attempts)s::integer[], %(workers)s::text[]
+    ) AS h (ord, job_id, lease_token, attempt, worker)
+),
+-- Extend only leases still held (same token, still PROCESSING).
+extended AS (
+    UPDATE jobs AS j
+    SET locked_until = skiplock_now() + %(extend)s::interval
+    FROM held AS h
+    WHERE j.id = h.job_id AND j.lease_token = h.lease_token AND j.status = 'PROCESSING'
+    RETURNING h.ord, j.locked_until
+),
+-- A renewal for a lease already lost is a fenced caller too.
+fenced AS (
+    INSERT INTO fenced_writes (job_id, attempt, lease_token, worker, operation, at)
+    SELECT h.job_id, h.attempt, h.lease_token, h.worker, 'renew', skiplock_now()
+    FROM held AS h
+    WHERE h.ord NOT IN (SELECT ord FROM extended)
+)
+SELECT ord, locked_until FROM extended;
+
+-- name: release
+WITH
+-- The leases given back unexecuted, numbered in the caller's order.
+held AS (
+    SELECT *
+    FROM unnest(
+        %(ords)s::integer[], %(job_ids)s::uuid[], %(lease_tokens)s::uuid[],
+        %(attempts)s::integer[], %(workers)s::text[]
+    ) AS h (ord, job_id, lease_token, attempt, worker)
+),
+-- Back to due now, the attempt not counted: PENDING if it never ran, else RETRYING.
+released AS (
+    UPDATE jobs AS j
+    SET status = CASE WHEN j.attempts - 1 = 0 THEN 'PENDING' ELSE 'RETRYING' END,
+        next_attempt_at = CASE WHEN j.attempts - 1 = 0 THEN NULL ELSE skiplock_now() END,
+        attempts = j.attempts - 1,
+        locked_until = NULL,
+        lease_token = NULL
+    FROM held AS h
+    WHERE j.id = h.job_id AND j.lease_token = h.lease_token AND j.status = 'PROCESSING'
+    RETURNING h.ord, h.lease_token
+),
+-- Close the attempt's row as released (it never executed).
+attempt_end AS (
+    UPDATE job_attempts AS a
+    SET finished_at = skiplock_now(), outcome = 'released'
+    FROM released AS r
+    WHERE a.lease_token = r.lease_token
+),
+-- A release for a lease already lost is recorded as fenced.
+fenced AS (
+    INSERT INTO fenced_writes (job_id, attempt, lease_token, worker, operation, at)
+    SELECT h.job_id, h.attempt, h.lease_token, h.worker, 'release', skiplock_now()
+    FROM held AS h
+    WHERE h.ord NOT IN (SELECT ord FROM released)
+)
+SELECT ord FROM released;
+
+-- name: recover
+WITH
+-- Expired leases from the processing partial index, oldest deadline first. SKIP LOCKED lets
+-- every worker run recovery at once, and never waits on a result write in flight (that row
+-- is locked; if the write lands, the job is no longer ours to recover).
+expired AS (
+    SELECT j.id, j.lease_token
+    FROM jobs AS j
+    WHERE j.status = 'PROCESSING' AND j.locked_until < skiplock_now()
+    ORDER BY j.locked_until
+    LIMIT %(limit)s
+    FOR UPDATE OF j SKIP LOCKED
+),
+-- Retry now, or dead-letter at max_attempts; clearing the token fences the old holder.
+moved AS (
+    UPDATE jobs AS j
+    SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'FAILED' ELSE 'RETRYING' END,
+        next_attempt_at = CASE WHEN j.attempts >= j.max_attempts THEN NULL
+            ELSE skiplock_now() END,
+        finished_at = CASE WHEN j.attempts >= j.max_attempts THEN skiplock_now() END,
+        last_error = 'lease expired (attempt ' || j.attempts || ')',
+        locked_until = NULL,
+        lease_token = NULL
+    FROM expired AS e
+    WHERE j.id = e.id
+    RETURNING j.id, e.lease_token
+),
+-- Close the expired execution's row as lease_expired (its real end is unknown).
+attempt_end AS (
+    UPDATE job_attempts AS a
+    SET finished_at = skiplock_now(), outcome = 'lease_expired'
+    FROM moved AS m
+    WHERE a.lease_token = m.lease_token
+)
+SELECT count(*) AS recovered FROM moved;
+
+-- name: snapshot
+SELECT id, account_id, status, attempts, max_attempts, last_error, locked_until,
+    next_attempt_at, run_at, locked_by, created_at, finished_at
+FROM jobs
+ORDER BY id;
+
+-- name: list_attempts
+SELECT lease_token, job_id, attempt, worker, started_at, finished_at, outcome, http_status,
+    error
+FROM job_attempts
+ORDER BY job_id, attempt, started_at;
+
+-- name: list_fenced
+SELECT job_id, attempt, lease_token, worker, operation, outcome, at
+FROM fenced_writes
+ORDER BY id;

@@ -1,0 +1,220 @@
+"""Named SQL blocks: the reference queue's statements, and a team's replacements for them.
+
+A `.sql` file holds blocks; a line `-- name: BLOCK` starts one and it runs until the next
+such line. Placeholders are psycopg named parameters, `%(name)s`; a literal percent sign is
+written `%%`. `statements_with_overrides(FILE)` replaces the reference blocks by name with the
+file's (the `--sql FILE` option), so a team can gate its own queue SQL; names the file does
+not define fall back to the reference.
+
+Every statement runs with `search_path` set to the queue's schema and must read the time from
+`skiplock_now()`, so that tests can pin the clock. Arrays are passed aligned, one element per
+job, and `ords` numbers the caller's items 0..n-1 so a block can say which ones it applied.
+
+Blocks (placeholders; optional ones in brackets) and what each must do and return:
+
+- `schema` (none; run as one script): create `skiplock_now()`, tables `accounts`, `jobs`,
+  `job_attempts`, `fenced_writes` and their indexes if missing.
+- `setup_lock` (`lock_key`): take a transaction-level advisory lock (serialises `schema`).
+- `upsert_accounts` (`account_ids`, `limits`): insert accounts or update their
+  `concurrency_limit` (NULL: unlimited).
+- `enqueue` (`job_ids`, `account_ids`, `target_urls`, `payloads`, `run_ats`, `max_attempts`):
+  insert the batch as PENDING (NULL `run_at`: due now), creating missing accounts unlimited.
+- `notify` (`channel`): `pg_notify` the channel; runs in the enqueue transaction.
+- `claim_lock_accounts` (none): lock the limited accounts that have due work,
+  `FOR UPDATE SKIP LOCKED`, in id order; return their `id`.
+- `claim` (`locked_accounts`, `batch`, `lease`, `worker_id`): a second statement, so its
+  snapshot follows the locks: count active jobs per locked account; pick due PENDING and due
+  RETRYING rows `FOR UPDATE SKIP LOCKED` for unlimited accounts or locked ones with free
+  slots; cut to the free slots and to `batch`; set PROCESSING, `attempts + 1`,
+  `locked_until = now + lease`, a fresh `lease_token`, `locked_by`; insert a `job_attempts`
+  row; return `id, account_id, target_url, payload, attempts, max_attempts, lease_token,
+  locked_until, locked_by`.
+- `claim_lock_accounts_wait`, `claim_wait` (as above): the `pg-for-update` variant, the same
+  without SKIP LOCKED.
+- `naive_select_due` (`batch`): the `pg-naive` variant: return due `id`s, no row lock.
+- `naive_take` (`job_ids`, `lease`, `worker_id`): the `pg-naive` variant: lease those ids
+  with no status re-check; return as `claim`.
+- `finish` (`ords`, `job_ids`, `lease_tokens`, `outcomes`, `retry_delays` [`attempts`,
+  `workers`, `http_statuses`, `errors`, `finished_ats`]): only where still PROCESSING with
+  the same token: success -> COMPLETED; permanent -> FAILED; transient -> RETRYING at
+  now + delay, or FAILED at max_attempts (keeping the error); close the `job_attempts` row;
+  record the others in `fenced_writes`; return the applied `ord`s.
+- `renew` (`ords`, `job_ids`, `lease_tokens`, `extend` [`attempts`, `workers`]): extend
+  `locked_until` to now + extend for leases still held; record the others as fenced; return
+  `ord, locked_until`.
+- `release` (`ords`, `job_ids`, `lease_tokens` [`attempts`, `workers`]): for leases still
+  held, back to due now with `attempts - 1` and the token cleared; record the others as
+  fenced; return the applied `ord`s.
+- `recover` (`limit`): move up to `limit` expired leases, `FOR UPDATE SKIP LOCKED`, to
+  RETRYING (due now) or FAILED at max_attempts; close their `job_attempts` rows as
+  `lease_expired`; return one row whose first column is the count.
+- `snapshot` (none): every job: `id, account_id, status, attempts, max_attempts,
+  last_error, locked_until, next_attempt_at` (further columns are kept as extras).
+- `list_attempts`, `list_fenced` (none): every `job_attempts` / `fenced_writes` row.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REFERENCE_PATH = Path(__file__).with_name("sql") / "reference.sql"
+
+_NAME_LINE = re.compile(r"^--\s*name:\s*(?P<name>\S*)\s*$")
+_PLACEHOLDER = re.compile(r"%\((?P<name>[A-Za-z_][A-Za-z0-9_]*)\)s")
+# What is left of a percent sign once placeholders and escaped %% are taken out.
+_LONE_PERCENT = re.compile(r"%")
+
+_ITEMS = frozenset({"ords", "job_ids", "lease_tokens"})
+_ITEM_EXTRAS = frozenset({"attempts", "workers"})
+_CLAIM = frozenset({"locked_accounts", "batch", "lease", "worker_id"})
+
+REQUIRED_PLACEHOLDERS: dict[str, frozenset[str]] = {
+    "schema": frozenset(),
+    "setup_lock": frozenset({"lock_key"}),
+    "upsert_accounts": frozenset({"account_ids", "limits"}),
+    "enqueue": frozenset(
+        {"job_ids", "account_ids", "target_urls", "payloads", "run_ats", "max_attempts"}
+    ),
+    "notify": frozenset({"channel"}),
+    "claim_lock_accounts": frozenset(),
+    "claim": _CLAIM,
+    "claim_lock_accounts_wait": frozenset(),
+    "claim_wait": _CLAIM,
+    "naive_select_due": frozenset({"batch"}),
+    "naive_take": frozenset({"job_ids", "lease", "worker_id"}),
+    "finish": _ITEMS | {"outcomes", "retry_delays"},
+    "renew": _ITEMS | {"extend"},
+    "release": _ITEMS,
+    "recover": frozenset({"limit"}),
+    "snapshot": frozenset(),
+    "list_attempts": frozenset(),
+    "list_fenced": frozenset(),
+}
+
+# Placeholders a block may use beyond the required ones (values the caller always passes).
+OPTIONAL_PLACEHOLDERS: dict[str, frozenset[str]] = {
+    "finish": _ITEM_EXTRAS | {"http_statuses", "errors", "finished_ats"},
+    "renew": _ITEM_EXTRAS,
+    "release": _ITEM_EXTRAS,
+}
+
+BLOCK_NAMES = frozenset(REQUIRED_PLACEHOLDERS)
+
+
+class SqlFileError(ValueError):
+    """A SQL file that cannot be used; the message names the file, the block and the fix."""
+
+
+def allowed_placeholders(block: str) -> frozenset[str]:
+    return REQUIRED_PLACEHOLDERS[block] | OPTIONAL_PLACEHOLDERS.get(block, frozenset())
+
+
+def placeholders(text: str) -> frozenset[str]:
+    """The named placeholders a statement uses."""
+    return frozenset(m.group("name") for m in _PLACEHOLDER.finditer(text))
+
+
+def _strip_comments(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
+
+
+def _check_block(path: Path, name: str, text: str) -> None:
+    where = f"{path}: block {name!r}"
+    if name not in BLOCK_NAMES:
+        known = ", ".join(sorted(BLOCK_NAMES))
+        raise SqlFileError(f"{where}: unknown block name; use one of: {known}")
+    if not _strip_comments(text).strip():
+        raise SqlFileError(f"{where}: the block has no SQL; write the statement or remove it")
+    # Comments count too: psycopg reads placeholders and percent signs in them as well.
+    code = text
+    used = placeholders(code)
+    missing = REQUIRED_PLACEHOLDERS[name] - used
+    if missing:
+        raise SqlFileError(
+            f"{where}: missing placeholder(s) {_fmt(missing)}; the statement must use them"
+        )
+    unknown = used - allowed_placeholders(name)
+    if unknown:
+        allowed = _fmt(allowed_placeholders(name)) or "none"
+        raise SqlFileError(
+            f"{where}: unknown placeholder(s) {_fmt(unknown)}; this block takes {allowed}"
+        )
+    if name == "schema":
+        # The schema block runs as a script with no parameters, so %% would stay doubled.
+        return
+    rest = _PLACEHOLDER.sub("", code).replace("%%", "")
+    if _LONE_PERCENT.search(rest):
+        raise SqlFileError(
+            f"{where}: a lone '%' that is not a %(name)s placeholder; write '%%' for a literal"
+        )
+
+
+def _fmt(names: frozenset[str]) -> str:
+    return ", ".join(f"%({n})s" for n in sorted(names))
+
+
+def load_statements(path: Path | str) -> dict[str, str]:
+    """Parse a file of named blocks, checking every block it defines."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise SqlFileError(f"{path}: cannot read the SQL file ({reason}); check the path") from exc
+    blocks: dict[str, str] = {}
+    current: str | None = None
+    lines: list[str] = []
+
+    def close() -> None:
+        if current is None:
+            return
+        _check_block(path, current, "\n".join(lines))
+        blocks[current] = "\n".join(lines).strip()
+
+    for number, line in enumerate(text.splitlines(), start=1):
+        match = _NAME_LINE.match(line)
+        if match is None:
+            if current is None and line.strip() and not line.lstrip().startswith("--"):
+                raise SqlFileError(
+                    f"{path}: line {number}: SQL before the first '-- name: BLOCK' line; "
+                    "start every statement with one"
+                )
+            lines.append(line)
+            continue
+        close()
+        name = match.group("name")
+        if not name:
+            raise SqlFileError(f"{path}: line {number}: '-- name:' without a block name")
+        if name in blocks:
+            raise SqlFileError(
+                f"{path}: block {name!r}: defined twice (line {number}); keep one definition"
+            )
+        current, lines = name, []
+    close()
+    if not blocks:
+        raise SqlFileError(
+            f"{path}: no '-- name: BLOCK' blocks found; the file is empty or has no named blocks"
+        )
+    return blocks
+
+
+_reference_cache: dict[str, str] | None = None
+
+
+def reference_statements() -> dict[str, str]:
+    global _reference_cache
+    if _reference_cache is None:
+        _reference_cache = load_statements(REFERENCE_PATH)
+        absent = BLOCK_NAMES - _reference_cache.keys()
+        if absent:
+            raise SqlFileError(f"{REFERENCE_PATH}: blocks missing: {', '.join(sorted(absent))}")
+    return dict(_reference_cache)
+
+
+def statements_with_overrides(path: Path | str | None) -> dict[str, str]:
+    """The reference statements, with the blocks of `path` (if any) replacing them by name."""
+    statements = reference_statements()
+    if path is not None:
+        statements.update(load_statements(path))
+    return statements
