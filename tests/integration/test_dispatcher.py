@@ -1,0 +1,317 @@
+"""The dispatcher against real PostgreSQL and a real HTTP server on loopback.
+
+The server runs in a thread of the test process and records every request; the dispatcher
+runs in the test's own event loop (the worker pool's processes are covered in
+tests/chaos/test_worker_signals.py). Leases are 2 s and the HTTP timeout 0.5 s, so the
+tests stay fast while keeping timeout + margin inside the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from queue_impl.dispatcher import Dispatcher, DispatcherConfig
+from queue_impl.interface import (
+    ACCOUNT_HEADER,
+    ATTEMPT_HEADER,
+    JOB_ID_HEADER,
+    WORKER_HEADER,
+    Account,
+    JobState,
+    JobStatus,
+    NewJob,
+)
+from queue_impl.pg import PgQueue
+
+pytestmark = pytest.mark.integration
+
+CONFIG = DispatcherConfig(
+    batch=5,
+    lease_seconds=2.0,
+    http_timeout_seconds=0.5,
+    write_margin_seconds=0.5,
+    poll_seconds=0.1,
+    recovery_interval_seconds=0.2,
+    retry_base_seconds=0.3,
+    retry_cap_seconds=1.0,
+    retry_jitter=0.0,
+)
+
+
+@dataclass
+class Hit:
+    path: str
+    headers: dict[str, str]
+    body: Any
+    received: float
+    answered: float | None = None
+
+
+@dataclass
+class EchoServer:
+    """A tiny HTTP server with one behaviour per path, recording every request."""
+
+    port: int = 0
+    hits: list[Hit] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def hits_for(self, job_id: uuid.UUID) -> list[Hit]:
+        with self.lock:
+            return [h for h in self.hits if h.headers.get(JOB_ID_HEADER) == str(job_id)]
+
+    def paths(self) -> list[str]:
+        with self.lock:
+            return [h.path for h in self.hits]
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        hit = Hit(
+            path=request.path,
+            headers=dict(request.headers),
+            body=json.loads(body) if body else None,
+            received=time.time(),
+        )
+        with self.lock:
+            self.hits.append(hit)
+            seen = sum(
+                1
+                for h in self.hits
+                if h.headers.get(JOB_ID_HEADER) == hit.headers.get(JOB_ID_HEADER)
+            )
+        response: web.StreamResponse
+        if request.path == "/redirect":
+            response = web.Response(status=302, headers={"Location": self.url("/landing")})
+        elif request.path == "/flaky":
+            response = web.Response(status=503 if seen == 1 else 200)
+        elif request.path == "/bad":
+            response = web.Response(status=400)
+        elif request.path == "/hang-once":
+            if seen == 1:
+                await asyncio.sleep(1.5)  # past the 0.5 s HTTP timeout
+            response = web.Response(status=200)
+        else:
+            response = web.Response(status=200)
+        hit.answered = time.time()
+        return response
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EchoServer]:
+    echo = EchoServer()
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    holder: dict[str, web.AppRunner] = {}
+
+    async def start() -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", echo.handle)
+        runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        holder["runner"] = runner
+        echo.port = runner.addresses[0][1]
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(start())
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, name="echo-server", daemon=True)
+    thread.start()
+    assert ready.wait(10), "the test HTTP server did not start"
+    try:
+        yield echo
+    finally:
+        asyncio.run_coroutine_threadsafe(holder["runner"].cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+@pytest.fixture
+def queue(pg_dsn: str, fresh_schema: str) -> Iterator[PgQueue]:
+    q = PgQueue(pg_dsn, schema=fresh_schema)
+    q.setup()
+    q.upsert_accounts([Account(id="acct-1"), Account(id="acct-2")])
+    try:
+        yield q
+    finally:
+        q.close()
+
+
+def enqueue(queue: PgQueue, url: str, count: int = 1, account: str = "acct-1") -> list[NewJob]:
+    jobs = [
+        NewJob(
+            id=uuid.uuid4(),
+            account_id=account,
+            target_url=url,
+            payload={"n": n, "note": "hello"},
+            max_attempts=3,
+        )
+        for n in range(count)
+    ]
+    queue.enqueue(jobs)
+    return jobs
+
+
+Event = tuple[str, dict[str, Any]]
+
+
+def run_until(
+    queue: PgQueue,
+    config: DispatcherConfig,
+    done: Callable[[dict[uuid.UUID, JobState]], bool],
+    *,
+    worker_id: str = "worker-t",
+    limit: float = 20.0,
+) -> tuple[dict[uuid.UUID, JobState], list[Event]]:
+    """Run one dispatcher (its own backend, as a worker process would have) until `done`
+    holds for the queue's snapshot, then stop it gracefully."""
+    events: list[Event] = []
+    backend = PgQueue(queue._dsn, schema=queue.schema)
+    dispatcher = Dispatcher(backend, config, worker_id, lambda k, f: events.append((k, dict(f))))
+
+    async def go() -> dict[uuid.UUID, JobState]:
+        task = asyncio.create_task(dispatcher.run())
+        deadline = time.monotonic() + limit
+        try:
+            while True:
+                states = {s.job_id: s for s in await asyncio.to_thread(queue.snapshot)}
+                if done(states) or task.done() or time.monotonic() > deadline:
+                    return states
+                await asyncio.sleep(0.05)
+        finally:
+            dispatcher.request_stop("test over")
+            await task
+
+    states = asyncio.run(go())
+    assert events[-1][0] == "stop"
+    return states, events
+
+
+def all_terminal(states: dict[uuid.UUID, JobState]) -> bool:
+    return bool(states) and all(s.status.terminal for s in states.values())
+
+
+def test_jobs_are_delivered_with_the_protocol_headers(queue: PgQueue, server: EchoServer) -> None:
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
+    jobs = enqueue(queue, server.url("/ok"), count=7)
+    states, events = run_until(queue, config, all_terminal, worker_id="worker-h")
+
+    for job in jobs:
+        assert states[job.id].status is JobStatus.COMPLETED
+        assert states[job.id].attempts == 1
+        [hit] = server.hits_for(job.id)
+        assert hit.headers[ATTEMPT_HEADER] == "1"
+        assert hit.headers[ACCOUNT_HEADER] == "acct-1"
+        assert hit.headers[WORKER_HEADER] == "worker-h"
+        assert hit.body == dict(job.payload)
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("claim") == 7
+    assert kinds.count("http") == 7
+    writes = [f for kind, f in events if kind == "write"]
+    assert {w["result"] for w in writes} == {"applied"}
+    assert {w["job_id"] for w in writes} == {str(j.id) for j in jobs}
+    # Batches of at most 5: claim events for a batch come before its first HTTP event.
+    first_http = kinds.index("http")
+    assert 1 <= kinds[:first_http].count("claim") <= 5
+
+
+def test_target_not_on_the_allow_list_is_refused_and_never_called(
+    queue: PgQueue, server: EchoServer
+) -> None:
+    # Same server, but no allow-list entry: loopback is refused before anything is sent.
+    [job] = enqueue(queue, server.url("/ok"))
+    states, events = run_until(queue, CONFIG, all_terminal)
+    assert states[job.id].status is JobStatus.FAILED
+    assert states[job.id].attempts == 1
+    assert "loopback" in (states[job.id].last_error or "")
+    assert server.hits_for(job.id) == []
+    [http] = [f for kind, f in events if kind == "http"]
+    assert http["result"] == "refused"
+
+
+def test_redirect_is_not_followed(queue: PgQueue, server: EchoServer) -> None:
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
+    [job] = enqueue(queue, server.url("/redirect"))
+    states, _ = run_until(queue, config, all_terminal)
+    assert states[job.id].status is JobStatus.FAILED
+    assert states[job.id].attempts == 1
+    assert "redirect not followed" in (states[job.id].last_error or "")
+    assert len(server.hits_for(job.id)) == 1
+    assert "/landing" not in server.paths()
+
+
+def test_503_then_200_is_retried_after_its_backoff_and_completes(
+    queue: PgQueue, server: EchoServer
+) -> None:
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
+    [job] = enqueue(queue, server.url("/flaky"))
+    states, events = run_until(queue, config, all_terminal)
+    assert states[job.id].status is JobStatus.COMPLETED
+    assert states[job.id].attempts == 2
+    first, second = server.hits_for(job.id)
+    assert (first.headers[ATTEMPT_HEADER], second.headers[ATTEMPT_HEADER]) == ("1", "2")
+    assert first.answered is not None
+    # Never earlier than the policy's shortest backoff after the first attempt ended.
+    backoff = config.retry_policy().min_delay(1)
+    assert second.received - first.answered >= backoff - 0.05
+    outcomes = [f["outcome"] for kind, f in events if kind == "write"]
+    assert outcomes == ["transient", "success"]
+
+
+def test_400_dead_letters_at_once(queue: PgQueue, server: EchoServer) -> None:
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
+    [job] = enqueue(queue, server.url("/bad"))
+    states, events = run_until(queue, config, all_terminal)
+    assert states[job.id].status is JobStatus.FAILED
+    assert states[job.id].attempts == 1
+    assert "400" in (states[job.id].last_error or "")
+    assert len(server.hits_for(job.id)) == 1
+    [http] = [f for kind, f in events if kind == "http"]
+    assert (http["result"], http["status"]) == ("http_error", 400)
+
+
+def test_a_job_that_times_out_is_retried(queue: PgQueue, server: EchoServer) -> None:
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
+    [job] = enqueue(queue, server.url("/hang-once"))
+    states, events = run_until(queue, config, all_terminal)
+    assert states[job.id].status is JobStatus.COMPLETED
+    assert states[job.id].attempts == 2
+    results = [f["result"] for kind, f in events if kind == "http"]
+    assert results == ["timeout", "ok"]
+    assert len(server.hits_for(job.id)) == 2
+
+
+def test_unreachable_target_is_a_transient_connection_error(
+    queue: PgQueue, server: EchoServer
+) -> None:
+    # A port nobody listens on (the allow-list admits it): refused connections are retried,
+    # and the job dead-letters after max_attempts.
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{port}",), retry_base_seconds=0.05)
+    [job] = enqueue(queue, f"http://127.0.0.1:{port}/")
+    states, events = run_until(queue, config, all_terminal)
+    assert states[job.id].status is JobStatus.FAILED
+    assert states[job.id].attempts == 3
+    results = [f["result"] for kind, f in events if kind == "http"]
+    assert results == ["connection_error"] * 3
