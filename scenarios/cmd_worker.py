@@ -1,0 +1,194 @@
+"""`skiplock worker`: run dispatcher worker processes against a queue until Ctrl-C / SIGTERM.
+
+Workers are plain processes, so any machine that reaches the database can run more of them
+against the same DSN. On Ctrl-C or SIGTERM every worker stops claiming, finishes or releases
+what it holds, and exits; none is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+import psycopg
+
+from queue_impl.dispatcher import (
+    FAILPOINT_EXIT_CODE,
+    FAILPOINT_NAMES,
+    BackendFactory,
+    ConfigError,
+    DispatcherConfig,
+    validate_worker_count,
+)
+from queue_impl.plugins import BackendSpec, validate_backend_name
+from scenarios.errors import HarnessError, UsageError
+from scenarios.provision import postgres
+from scenarios.workers import WorkerPool
+
+
+def _failpoint(text: str) -> tuple[str, float]:
+    name, sep, probability = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PROBABILITY")
+    try:
+        return name, float(probability)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{probability!r} is not a probability") from None
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    defaults = DispatcherConfig()
+    parser.add_argument("--dsn", help="PostgreSQL DSN (default: $SKIPLOCK_PG_DSN)")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument(
+        "--batch", type=int, default=defaults.batch, help="jobs claimed per transaction"
+    )
+    parser.add_argument("--lease", type=float, default=defaults.lease_seconds, help="lease seconds")
+    parser.add_argument(
+        "--http-timeout",
+        type=float,
+        default=defaults.http_timeout_seconds,
+        help="total seconds allowed for one HTTP call",
+    )
+    parser.add_argument(
+        "--write-margin",
+        type=float,
+        default=defaults.write_margin_seconds,
+        help="seconds reserved inside the lease for the result write",
+    )
+    parser.add_argument(
+        "--poll", type=float, default=defaults.poll_seconds, help="idle poll seconds"
+    )
+    parser.add_argument("--backend", default="pg", help="pg, a variant, or package.module:factory")
+    parser.add_argument("--schema", default="skiplock", help="schema holding the queue tables")
+    parser.add_argument("--sql", help="SQL file whose named blocks replace the reference ones")
+    parser.add_argument(
+        "--allow-target",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="admit this host and port past the SSRF guard (repeatable)",
+    )
+    parser.add_argument(
+        "--events-dir",
+        type=Path,
+        default=Path("worker-events"),
+        help="directory for one event log per worker (default ./worker-events)",
+    )
+    parser.add_argument("--no-recovery", action="store_true", help="do not recover leases")
+    parser.add_argument("--no-renew", action="store_true", help="do not renew long leases")
+    parser.add_argument(
+        "--unsafe-timing",
+        action="store_true",
+        help="allow timeout + margin >= lease (experiments only: duplicates become possible)",
+    )
+    parser.add_argument(
+        "--failpoint",
+        action="append",
+        default=[],
+        type=_failpoint,
+        metavar="NAME=P",
+        help=f"crash with probability P per job at a failpoint ({', '.join(FAILPOINT_NAMES)})",
+    )
+
+
+def build_config(args: argparse.Namespace) -> DispatcherConfig:
+    """The dispatcher config from the command line; UsageError for any bad value."""
+    config = DispatcherConfig(
+        batch=args.batch,
+        lease_seconds=args.lease,
+        http_timeout_seconds=args.http_timeout,
+        write_margin_seconds=args.write_margin,
+        poll_seconds=args.poll,
+        recovery_enabled=not args.no_recovery,
+        renew_leases=not args.no_renew,
+        allow_targets=tuple(args.allow_target),
+        unsafe_timing=args.unsafe_timing,
+        failpoints=tuple(args.failpoint),
+    )
+    try:
+        validate_worker_count(args.workers)
+        config.validate()
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    return config
+
+
+class _Stop(Exception):
+    """SIGTERM arrived: drain like Ctrl-C."""
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop
+
+
+def run(args: argparse.Namespace) -> int:
+    config = build_config(args)
+    try:
+        validate_backend_name(args.backend)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.sql is not None and not Path(args.sql).is_file():
+        raise UsageError(f"--sql {args.sql}: no such file")
+
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        with postgres(args.dsn) as server:
+            spec = BackendSpec(
+                name=args.backend, dsn=server.dsn, schema=args.schema, sql_path=args.sql
+            )
+            _setup(spec)
+            pool = WorkerPool(spec, config, args.workers, args.events_dir)
+            try:
+                pool.start()
+                print(
+                    f"skiplock worker: {args.workers} worker(s), backend {spec.display()}, "
+                    f"batch {config.batch}, lease {config.lease_seconds:g}s, "
+                    f"events in {args.events_dir}; Ctrl-C to stop",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _watch(pool)
+            except (KeyboardInterrupt, _Stop):
+                print("skiplock worker: stopping, draining in-flight jobs", file=sys.stderr)
+            finally:
+                # Ignore a second Ctrl-C / SIGTERM while draining: the pool's own deadline
+                # SIGKILLs stragglers, so nothing is left behind either way.
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                pool.stop()
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    crashed = [
+        f"{worker_id} ({code})"
+        for worker_id, code in zip(pool.worker_ids, pool.exitcodes(), strict=True)
+        if code not in (0, None, -signal.SIGTERM, -signal.SIGKILL, FAILPOINT_EXIT_CODE)
+    ]
+    if crashed:
+        raise HarnessError(f"worker(s) exited with an error: {', '.join(crashed)}")
+    print("skiplock worker: stopped", file=sys.stderr)
+    return 0
+
+
+def _setup(spec: BackendFactory) -> None:
+    """Create the schema once, before the workers start, so bad SQL or an unreachable
+    server is one clear line rather than N crashing children."""
+    try:
+        backend = spec.create()
+        try:
+            backend.setup()
+        finally:
+            backend.close()
+    except (ValueError, OSError, psycopg.Error) as exc:
+        raise UsageError(f"cannot set up the queue: {' '.join(str(exc).split())}") from None
+
+
+def _watch(pool: WorkerPool) -> None:
+    while any(pool.alive()):
+        time.sleep(0.5)
+    raise HarnessError("every worker exited; see their event logs")
