@@ -356,3 +356,19 @@ def test_cli_refuses_a_port_in_use_with_exit_2(
         assert cli_main(["target", "--port", str(port), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "pick another --port" in err and err.count("\n") == 1
+
+
+def test_capacity_benchmark_runs_and_describes_itself() -> None:
+    # Speed is measured by `skiplock bench target`, never asserted; this checks it works.
+    from chaos.bench_target import bench
+
+    result = bench(duration=0.5, concurrency=4, load_processes=2, warmup=0.0)
+    figures = result["results"]
+    assert figures["errors"] == 0 and figures["requests"] > 0
+    # Every measured request reached the target and was recorded as answered.
+    assert figures["target_stats"]["answered"]["200"] >= figures["requests"]
+    assert figures["target_stats"]["duplicates"] == 0
+    assert figures["latency_ms"]["p50"] <= figures["latency_ms"]["p99"]
+    assert result["parameters"]["concurrency"] == 4
+    assert set(result["git"]) == {"sha", "dirty"}
+    assert result["machine"]["cpu_count"] and result["python"]["version"]
