@@ -1,0 +1,129 @@
+"""`skiplock run SCENARIO`: run one scenario end to end and judge it.
+
+Ends with the verdict and the judging exit code: 0 valid, 1 a guarantee violated, 3 unknown,
+2 bad input, 4 harness failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from rich.console import Console
+
+from scenarios.errors import UsageError
+from scenarios.spec import ScenarioSpec, SpecError, available, load
+
+
+def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by `run` and `demo`."""
+    parser.add_argument("--backend", default="pg",
+                        help="system under test: pg (default), pg-naive, pg-for-update,"
+                        " pg-long-tx, or package.module:factory")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed for job scripts and accounts (default: random, recorded)")
+    parser.add_argument("--out", type=Path, default=Path("runs"),
+                        help="parent directory of the run directory (default: ./runs)")
+    parser.add_argument("--dsn", default=None,
+                        help="PostgreSQL to use (default: SKIPLOCK_PG_DSN, Docker, embedded)")
+    parser.add_argument("--sql", dest="sql_path", default=None,
+                        help="a .sql file whose named blocks replace the reference queue's")
+    parser.add_argument("--schema", default=None,
+                        help="schema for the queue (default: a fresh one, dropped after)")
+    parser.add_argument("--no-recovery", action="store_true",
+                        help="switch the workers' lease recovery off")
+    parser.add_argument("--duration", type=float, help="load phase, seconds")
+    parser.add_argument("--warmup", type=float, help="warm-up (ramp) phase, seconds")
+    parser.add_argument("--drain-timeout", type=float, help="longest wait for the drain, seconds")
+    parser.add_argument("--workers", type=int, help="dispatcher worker processes")
+    parser.add_argument("--rate", type=float, help="jobs per second over all producers; 0 is"
+                        " closed loop")
+    parser.add_argument("--producers", type=int, help="producer processes")
+    parser.add_argument("--batch", type=int, help="claim batch size")
+    parser.add_argument("--distributed", action="store_true",
+                        help="run producers as a Locust master plus --producers workers")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="override any scenario key, e.g. --set lease=5 --set mix.slow=2")
+
+
+def resolve(args: argparse.Namespace, scenario: str) -> tuple[ScenarioSpec, int]:
+    """The scenario with every command-line override applied, and the seed."""
+    from queue_impl.plugins import validate_backend_name
+
+    try:
+        validate_backend_name(args.backend)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    overrides = list(args.overrides)
+    flags = {
+        "duration": args.duration,
+        "warmup": args.warmup,
+        "drain_timeout": args.drain_timeout,
+        "workers": args.workers,
+        "rate": args.rate,
+        "producers": args.producers,
+        "batch": args.batch,
+    }
+    # Flags come after --set, so an explicit flag wins.
+    overrides += [f"{key}={value}" for key, value in flags.items() if value is not None]
+    if args.no_recovery:
+        overrides.append("recovery=false")
+    if args.distributed:
+        overrides.append("distributed=true")
+    try:
+        spec = load(scenario, overrides)
+    except SpecError as exc:
+        raise UsageError(str(exc)) from None
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    return spec, seed
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", metavar="SCENARIO",
+                        help=f"a scenario name ({', '.join(available())}) or a .toml path")
+    add_scenario_arguments(parser)
+    parser.add_argument("--quiet", action="store_true", help="no per-second progress lines")
+    parser.add_argument("--json", action="store_true", help="print the verdict as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from scenarios.progress import print_line
+    from scenarios.runner import RunOptions, run_scenario
+
+    spec, seed = resolve(args, args.scenario)
+    console = Console(stderr=True, highlight=False)
+    options = RunOptions(backend=args.backend, seed=seed, out=args.out, dsn=args.dsn,
+                         sql_path=args.sql_path, schema=args.schema)
+    console.print(f"skiplock run {spec.name}: backend {args.backend}, seed {seed},"
+                  f" {spec.workers} workers, {spec.rate:g} jobs/s for {spec.duration:g} s")
+    result = run_scenario(spec, options, observer=None if args.quiet else print_line(console),
+                          announce=console.print)
+    verdict = result.verdict
+    if args.json:
+        print(json.dumps(verdict.to_json(), indent=2, default=str))
+    else:
+        print_verdict(Console(highlight=False), verdict, result.run_dir)
+    return result.exit_code
+
+
+def verdict_label(valid: object) -> str:
+    """Rich markup for a verdict's `valid` (True, False or "unknown")."""
+    if valid is True:
+        return "[green]VALID[/]"
+    if valid is False:
+        return "[bold red]INVALID: a guarantee was violated[/]"
+    return "[yellow]UNKNOWN: the history cannot decide[/]"
+
+
+def print_verdict(console: Console, verdict: object, run_dir: Path) -> None:
+    valid = getattr(verdict, "valid", "unknown")
+    counts: dict[str, int] = dict(getattr(verdict, "counts", {}))
+    examples: dict[str, list[dict[str, object]]] = dict(getattr(verdict, "examples", {}))
+    console.print(f"verdict: {verdict_label(valid)}   run directory: {run_dir}")
+    console.print("  " + "  ".join(f"{k}={v}" for k, v in counts.items()))
+    for kind, items in examples.items():
+        for item in items[:3]:
+            console.print(f"  {kind}: {json.dumps(item, default=str)}")

@@ -1,0 +1,310 @@
+"""Producers: Locust users that enqueue jobs through the QueueBackend interface.
+
+Each producer process runs Locust as a library (headless), with users whose client is the
+queue itself: one enqueue transaction is one Locust request, timed with
+`events.request.measure`, so Locust's own statistics (CSV in RUN_DIR/locust/) describe the
+enqueue side. Every job is also recorded as an operation in RUN_DIR/enqueues.jsonl: `invoke`
+with the job's oracle (account, target URL, script, max_attempts) before the transaction,
+then `ok`, `fail` (the queue certainly did not take it) or `info` (unknown: the connection was
+lost, or the error came with or after COMMIT).
+
+Gevent and psycopg: importing locust monkey-patches the standard library. psycopg 3 (3.1.14
+and later) cooperates with gevent, but it picks its wait function when `psycopg` is first
+imported: if `select` is already patched it uses a `select`-based wait that yields to other
+greenlets, otherwise a C wait that blocks the whole process (every user stalls while one
+waits on the server). So this module must be imported in a fresh process before anything
+imports psycopg; the runner starts it through `runpy` in a spawned process, passing the
+configuration as plain JSON so that unpickling it imports nothing. Should psycopg have been
+imported earlier anyway (a spawned child re-imports the parent's main module), `main`
+switches its wait function to the cooperative one before any connection is made.
+
+Distributed mode (`distributed = true` in the scenario): one Locust master process and
+`producers` Locust worker processes, talking over loopback; the master spreads the users and
+aggregates the statistics, each worker enqueues and records its own operations. Workers on
+other machines can join the same master with Locust's usual `--worker --master-host`.
+"""
+
+# ruff: noqa: E402  (locust, and so gevent's patches, must be imported before the rest)
+from __future__ import annotations
+
+# isort: off
+import warnings
+
+# A spawned child re-imports its parent's main module, which may have imported ssl: gevent's
+# warning about patching it late is about ssl, which producers never use.
+warnings.filterwarnings("ignore", message="Monkey-patching ssl after ssl")
+# Then locust: gevent must patch the world before psycopg is imported.
+import locust  # noqa: F401
+
+# isort: on
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import gevent
+import psycopg
+import psycopg.waiting
+from locust import User, constant, constant_throughput, events, task
+from locust.env import Environment
+from locust.runners import MasterRunner, Runner
+from locust.stats import PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_history
+
+from queue_impl.interface import NewJob, QueueBackend
+from queue_impl.plugins import BackendSpec
+from reports.history import ENQUEUES_FILE, LOCUST_DIR, EnqueueOp, EnqueueType, JsonlWriter
+from scenarios.spec import Chooser, ScenarioSpec, from_mapping
+
+# Errors the server raised about the statement itself: the transaction was rolled back
+# before COMMIT could take effect, so the jobs are certainly not in the queue.
+_DEFINITE_ERRORS: tuple[type[BaseException], ...] = (
+    psycopg.errors.DataError,
+    psycopg.errors.IntegrityError,
+    psycopg.errors.ProgrammingError,
+    ValueError,
+    TypeError,
+)
+
+
+def classify_error(exc: BaseException) -> EnqueueType:
+    """`fail` when the enqueue certainly did not happen, `info` when it may have."""
+    if isinstance(exc, _DEFINITE_ERRORS):
+        return "fail"
+    return "info"
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+class _Context:
+    """What every user in this process shares (set once by `main`)."""
+
+    spec: ScenarioSpec
+    backend: BackendSpec
+    target_url: str
+    seed: int
+    process: str
+    writer: JsonlWriter
+    users_started: int = 0
+
+
+CTX = _Context()
+
+
+class EnqueueUser(User):
+    """One producer user: its own queue connection and its own seeded choice stream."""
+
+    abstract = True
+    # Filled in by `main` on a concrete subclass: the per-user enqueue throughput.
+    tasks_per_second: ClassVar[float] = 0.0
+
+    def on_start(self) -> None:
+        index = CTX.users_started
+        CTX.users_started += 1
+        self.stream = f"{CTX.process}-u{index}"
+        self.chooser = Chooser.for_spec(CTX.spec, CTX.seed, self.stream)
+        self.queue: QueueBackend = CTX.backend.create()
+
+    def on_stop(self) -> None:
+        self.queue.close()
+
+    def _record(self, type_: EnqueueType, job: NewJob, error: str | None = None) -> None:
+        CTX.writer.write(
+            EnqueueOp(type=type_, job_id=str(job.id), time=time.time(), process=self.stream,
+                      error=error)
+        )
+
+    @task
+    def enqueue(self) -> None:
+        spec = CTX.spec
+        jobs: list[NewJob] = []
+        for _ in range(spec.enqueue_batch):
+            script, account = self.chooser.next()
+            job = NewJob(
+                id=uuid.uuid4(),
+                account_id=account,
+                target_url=CTX.target_url,
+                payload={"script": script.to_json(), "account": account},
+                max_attempts=spec.max_attempts,
+            )
+            jobs.append(job)
+            CTX.writer.write(
+                EnqueueOp(
+                    type="invoke", job_id=str(job.id), time=time.time(), process=self.stream,
+                    account=account, target_url=CTX.target_url, script=script.to_json(),
+                    max_attempts=spec.max_attempts,
+                )
+            )
+        name = f"enqueue x{len(jobs)}"
+        with self.environment.events.request.measure("queue", name) as meta:
+            try:
+                self.queue.enqueue(jobs)
+            except BaseException as exc:
+                # GreenletExit (Locust stopping a user mid-call) lands here too: unknown.
+                kind = classify_error(exc) if isinstance(exc, Exception) else "info"
+                for job in jobs:
+                    self._record(kind, job, one_line(exc))
+                if kind == "info":
+                    # The connection may be broken: start the next enqueue on a fresh one.
+                    self.queue.close()
+                raise
+            meta["response_length"] = len(jobs)
+            for job in jobs:
+                self._record("ok", job)
+
+
+def _user_class(spec: ScenarioSpec, total_users: int) -> type[EnqueueUser]:
+    per_user = spec.rate / spec.enqueue_batch / total_users if spec.rate > 0 else 0.0
+    wait = constant_throughput(per_user) if per_user > 0 else constant(0)
+    return type(
+        "Producer",
+        (EnqueueUser,),
+        {"abstract": False, "wait_time": wait, "tasks_per_second": per_user},
+    )
+
+
+def _final_csv(writer: StatsCSVFileWriter) -> None:
+    """Write the CSV files once more with the final numbers and close them."""
+    writer.requests_csv_filehandle.seek(0)
+    writer.requests_csv_writer.writerow(writer.requests_csv_columns)
+    writer._requests_data_rows(writer.requests_csv_writer)
+    writer.requests_csv_filehandle.truncate()
+    writer.failures_csv_filehandle.seek(0)
+    writer.failures_csv_writer.writerow(writer.failures_columns)
+    writer._failures_data_rows(writer.failures_csv_writer)
+    writer.failures_csv_filehandle.truncate()
+    writer.close_files()
+
+
+def _run_until(runner: Runner, env: Environment, csv_base: Path | None, users: int,
+               spawn_rate: float, stop_at: float) -> None:
+    csv_writer = None
+    greenlets = []
+    if csv_base is not None:
+        csv_writer = StatsCSVFileWriter(env, PERCENTILES_TO_REPORT, str(csv_base),
+                                        full_history=False)
+        greenlets.append(gevent.spawn(csv_writer.stats_writer))
+        greenlets.append(gevent.spawn(stats_history, runner))
+    runner.start(users, spawn_rate=spawn_rate)
+    gevent.sleep(max(0.0, stop_at - time.time()))
+    # stop() lets each user finish the enqueue it is in (stop_timeout), so the history has
+    # an outcome for every invoke in the ordinary case.
+    runner.stop()
+    runner.quit()
+    gevent.killall(greenlets)
+    if csv_writer is not None:
+        _final_csv(csv_writer)
+
+
+def main(config: Mapping[str, Any]) -> int:
+    """Run one producer process until the load phase ends. `config` is plain JSON data."""
+    _die_with_parent()
+    _cooperative_psycopg()
+    spec = from_mapping(config["spec"]).validate()
+    run_dir = Path(config["run_dir"])
+    role: str = config["role"]  # "local", "master" or "worker"
+    index: int = config["index"]
+    CTX.spec = spec
+    CTX.backend = BackendSpec(**config["backend"])
+    CTX.target_url = config["target_url"]
+    CTX.seed = int(config["seed"])
+    CTX.process = f"producer-{index}" if role != "master" else "producer-master"
+    CTX.writer = JsonlWriter(run_dir / ENQUEUES_FILE)
+
+    total_users = spec.users * spec.producers
+    user_class = _user_class(spec, total_users)
+    env = Environment(user_classes=[user_class], events=events, stop_timeout=10.0)
+    start_at = _ready_then_wait_for_go(run_dir, CTX.process, Path(config["go_file"]))
+    stop_at = start_at + spec.warmup + spec.duration
+    # The warm-up phase is the ramp: users are spawned evenly over it.
+    users = spec.users if role == "local" else total_users
+    spawn_rate = users / spec.warmup if spec.warmup > 0 else float(users)
+    csv_base = run_dir / LOCUST_DIR / CTX.process
+    csv_base.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if role == "local":
+            _run_until(env.create_local_runner(), env, csv_base, users, spawn_rate, stop_at)
+        elif role == "master":
+            master = env.create_master_runner("127.0.0.1", int(config["master_port"]))
+            _wait_for_workers(master, spec.producers, deadline=start_at + 30.0)
+            _run_until(master, env, csv_base, users, spawn_rate, stop_at)
+        elif role == "worker":
+            worker = env.create_worker_runner("127.0.0.1", int(config["master_port"]))
+            assert worker.greenlet is not None
+            worker.greenlet.join()
+        else:
+            raise ValueError(f"unknown producer role {role!r}")
+    finally:
+        CTX.writer.close()
+    return 0
+
+
+def _ready_then_wait_for_go(run_dir: Path, process: str, go_file: Path) -> float:
+    """Tell the runner this process is ready (a file), then wait for its go file, which
+    holds the wall-clock start time shared by every producer. Slow starts (imports, spawn)
+    then do not eat into the load phase."""
+    ready = run_dir / LOCUST_DIR / f"{process}.ready"
+    ready.write_text(str(os.getpid()))
+    deadline = time.time() + 120.0
+    while not go_file.exists():
+        if time.time() > deadline:
+            raise RuntimeError("the runner never gave the go signal")
+        gevent.sleep(0.02)
+    start_at = float(json.loads(go_file.read_text())["start_at"])
+    gevent.sleep(max(0.0, start_at - time.time()))
+    return start_at
+
+
+def _cooperative_psycopg() -> None:
+    """Make sure psycopg waits by way of gevent's patched `poll`.
+
+    psycopg picks its wait function once, at import. When something imported psycopg before
+    gevent patched `select` (the spawned child re-imports the parent's main module, which may
+    import psycopg), it chose the C wait, which blocks every greenlet while one waits on the
+    server. `waiting.wait` is looked up at each call, so rebinding it is enough; it is the
+    same switch as psycopg's PSYCOPG_WAIT_FUNC variable, applied after the fact."""
+    import gevent.monkey
+
+    if not gevent.monkey.is_module_patched("select"):
+        raise RuntimeError("gevent has not patched select: import scenarios.producers first")
+    if psycopg.waiting.wait is getattr(psycopg.waiting, "wait_c", None):
+        psycopg.waiting.wait = psycopg.waiting.wait_poll
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when the runner dies, even by SIGKILL, so that no
+    producer outlives its run. Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _wait_for_workers(master: MasterRunner, count: int, deadline: float) -> None:
+    while len(master.clients.ready) < count:
+        if time.time() > deadline:
+            raise RuntimeError(f"only {len(master.clients.ready)} of {count} Locust workers"
+                               " connected to the master")
+        gevent.sleep(0.1)
+
+
+if __name__ == "__main__":
+    # Started by the runner through runpy with PRODUCER_CONFIG in the module's globals, or by
+    # hand: python -m scenarios.producers CONFIG.json
+    _config = globals().get("PRODUCER_CONFIG")
+    if _config is None:
+        _config = json.loads(Path(sys.argv[1]).read_text())
+    sys.exit(main(_config))

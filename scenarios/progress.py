@@ -1,0 +1,274 @@
+"""Per-second samples of a running scenario, and the live display built on them.
+
+The sampler reads what the run is already writing (enqueue operations, the target's delivery
+logs) incrementally, and asks the queue how many jobs are in each state. It never writes to
+the queue, so sampling cannot change what is measured beyond one small query per second.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from collections.abc import Callable
+from dataclasses import astuple, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from rich.console import Console, Group
+from rich.live import Live
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from queue_impl.interface import JobStatus, QueueBackend
+from reports.history import DELIVERIES_DIR, ENQUEUES_FILE
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    time: float
+    elapsed: float
+    phase: str
+    invoked: int
+    enqueued: int  # acknowledged (ok)
+    enqueue_errors: int  # fail + info
+    delivered: int  # requests the target recorded
+    delivered_ok: int  # of which answered 2xx
+    duplicates: int  # 2xx answers for a job that already had one
+    completed: int
+    failed: int
+    in_flight: int  # PROCESSING
+    queue_depth: int  # PENDING + RETRYING
+    rate: float  # acknowledged enqueues per second since the previous sample
+
+
+SAMPLE_COLUMNS = [f.name for f in fields(Sample)]
+
+
+class _Tail:
+    """Reads whole new lines appended to a file since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def lines(self) -> list[bytes]:
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        *whole, self.partial = data.split(b"\n")
+        return [line for line in whole if line.strip()]
+
+
+class Sampler:
+    """Counts, one call per sample. Uses its own connection; falls back to the backend's
+    snapshot when the queue's tables are not the reference schema (a plug-in backend)."""
+
+    def __init__(self, run_dir: Path, dsn: str | None, schema: str,
+                 backend: QueueBackend | None = None) -> None:
+        self.run_dir = run_dir
+        self.dsn = dsn
+        self.schema = schema
+        self.backend = backend
+        self.enqueues = _Tail(run_dir / ENQUEUES_FILE)
+        self.delivery_tails: dict[Path, _Tail] = {}
+        self.invoked = self.ok = self.errors = 0
+        self.delivered = self.delivered_ok = self.duplicates = 0
+        self.succeeded: set[str] = set()
+        self.started = time.time()
+        self.last: Sample | None = None
+        self._conn: psycopg.Connection[Any] | None = None
+        self._use_sql = dsn is not None
+
+    def _read_files(self) -> None:
+        for line in self.enqueues.lines():
+            kind = json.loads(line).get("type")
+            if kind == "invoke":
+                self.invoked += 1
+            elif kind == "ok":
+                self.ok += 1
+            else:
+                self.errors += 1
+        for path in sorted((self.run_dir / DELIVERIES_DIR).glob("*.jsonl")):
+            tail = self.delivery_tails.setdefault(path, _Tail(path))
+            for line in tail.lines():
+                record = json.loads(line)
+                self.delivered += 1
+                status = record.get("status")
+                if isinstance(status, int) and 200 <= status < 300:
+                    self.delivered_ok += 1
+                    job = str(record.get("job_id"))
+                    if job in self.succeeded:
+                        self.duplicates += 1
+                    self.succeeded.add(job)
+
+    def status_counts(self) -> dict[str, int] | None:
+        """Jobs per status; None when the queue cannot be asked right now."""
+        if self._use_sql and self.dsn is not None:
+            try:
+                if self._conn is None or self._conn.closed:
+                    self._conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
+                query = sql.SQL("SELECT status, count(*) FROM {}.jobs GROUP BY status").format(
+                    sql.Identifier(self.schema)
+                )
+                return {str(s): int(n) for s, n in self._conn.execute(query).fetchall()}
+            except psycopg.errors.UndefinedTable:
+                self._use_sql = False
+            except psycopg.Error:
+                # A fault may have cut the connection; count again next second.
+                if self._conn is not None:
+                    self._conn.close()
+                self._conn = None
+                return None
+        if self.backend is None:
+            return None
+        counts: dict[str, int] = {}
+        for state in self.backend.snapshot():
+            counts[state.status.value] = counts.get(state.status.value, 0) + 1
+        return counts
+
+    def sample(self, phase: str) -> Sample:
+        self._read_files()
+        counts = self.status_counts() or {}
+        now = time.time()
+        rate = 0.0
+        if self.last is not None and now > self.last.time:
+            rate = (self.ok - self.last.enqueued) / (now - self.last.time)
+        sample = Sample(
+            time=now,
+            elapsed=now - self.started,
+            phase=phase,
+            invoked=self.invoked,
+            enqueued=self.ok,
+            enqueue_errors=self.errors,
+            delivered=self.delivered,
+            delivered_ok=self.delivered_ok,
+            duplicates=self.duplicates,
+            completed=counts.get(JobStatus.COMPLETED.value, 0),
+            failed=counts.get(JobStatus.FAILED.value, 0),
+            in_flight=counts.get(JobStatus.PROCESSING.value, 0),
+            queue_depth=counts.get(JobStatus.PENDING.value, 0)
+            + counts.get(JobStatus.RETRYING.value, 0),
+            rate=rate,
+        )
+        self.last = sample
+        return sample
+
+    def live_jobs(self) -> int | None:
+        """Jobs not yet terminal, or None when the queue cannot be asked right now."""
+        counts = self.status_counts()
+        if counts is None:
+            return None
+        return sum(n for s, n in counts.items() if not JobStatus(s).terminal)
+
+    def stranded_jobs(self) -> int | None:
+        """PROCESSING jobs whose lease has expired: with recovery off, nothing will ever move
+        them again. None when the queue's tables cannot be read directly."""
+        if not self._use_sql or self._conn is None:
+            return None
+        query = sql.SQL(
+            "SELECT count(*) FROM {}.jobs WHERE status = 'PROCESSING' AND locked_until < now()"
+        ).format(sql.Identifier(self.schema))
+        try:
+            row = self._conn.execute(query).fetchone()
+        except psycopg.Error:
+            return None
+        return None if row is None else int(row[0])
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class SampleWriter:
+    """samples.csv, one row per sample, flushed as written."""
+
+    def __init__(self, path: Path) -> None:
+        self._fh = path.open("w", newline="")
+        self._csv = csv.writer(self._fh)
+        self._csv.writerow(SAMPLE_COLUMNS)
+
+    def write(self, sample: Sample) -> None:
+        self._csv.writerow(
+            [round(v, 3) if isinstance(v, float) else v for v in astuple(sample)]
+        )
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+Observer = Callable[[Sample], None]
+
+
+def _table(sample: Sample, title: str) -> Table:
+    table = Table(title=title, show_header=True, header_style="bold", expand=False)
+    for column in ("phase", "elapsed", "rate/s", "enqueued", "delivered", "completed",
+                   "failed", "in flight", "queued", "duplicates"):
+        table.add_column(column, justify="right")
+    dup_style = "bold red" if sample.duplicates else "green"
+    table.add_row(
+        sample.phase,
+        f"{sample.elapsed:5.1f}s",
+        f"{sample.rate:6.1f}",
+        str(sample.enqueued),
+        str(sample.delivered_ok),
+        str(sample.completed),
+        str(sample.failed),
+        str(sample.in_flight),
+        str(sample.queue_depth),
+        Text(str(sample.duplicates), style=dup_style),
+    )
+    return table
+
+
+class LiveProgress:
+    """A rich live table, refreshed on each sample; falls back to nothing off a terminal."""
+
+    def __init__(self, title: str, console: Console | None = None) -> None:
+        self.title = title
+        self.console = console or Console(stderr=True)
+        self._live: Live | None = None
+
+    def __enter__(self) -> LiveProgress:
+        self._live = Live(Group(Text(f"{self.title}: starting...")), console=self.console,
+                          refresh_per_second=4, transient=False)
+        self._live.__enter__()
+        return self
+
+    def __call__(self, sample: Sample) -> None:
+        if self._live is not None:
+            note = Text("duplicates are counted from the target's log; the checker explains"
+                        " them after the run", style="dim")
+            self._live.update(Group(_table(sample, self.title), note))
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(None, None, None)
+            self._live = None
+
+
+def print_line(console: Console) -> Observer:
+    """A plain one-line-per-sample observer for `skiplock run` (logs, CI)."""
+
+    def observe(sample: Sample) -> None:
+        console.print(
+            f"{escape(f'[{sample.phase:>6}]')} {sample.elapsed:5.1f}s enq={sample.enqueued}"
+            f" ({sample.rate:.0f}/s) delivered={sample.delivered_ok}"
+            f" done={sample.completed} failed={sample.failed} in_flight={sample.in_flight}"
+            f" queued={sample.queue_depth} dup={sample.duplicates}",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+    return observe

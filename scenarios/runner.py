@@ -1,0 +1,515 @@
+"""The runner: one scenario, end to end, into a run directory, then judged.
+
+    spec -> PostgreSQL (provisioned, durable) -> queue schema + accounts -> echo target
+         -> worker pool -> producers (warm-up, load) -> nemesis hook -> drain (bounded)
+         -> stop workers -> final-state snapshot -> run.json, spec.json, samples.csv
+         -> checker -> verdict.json
+
+Everything the run starts lives in one ExitStack, so the producers, workers, target and an
+embedded server are gone when `run_scenario` returns, raises, or is interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import psycopg
+from psycopg import sql
+
+from queue_impl.dispatcher import DispatcherConfig
+from queue_impl.interface import Account, JobState, QueueBackend
+from queue_impl.plugins import BackendSpec
+from reports.history import (
+    ENQUEUES_FILE,
+    FINAL_JOBS_FILE,
+    LOCUST_DIR,
+    NEMESIS_FILE,
+    RUN_FILE,
+    SAMPLES_FILE,
+    SPEC_FILE,
+    WORKERS_DIR,
+    JsonlWriter,
+    RunInfo,
+    to_record,
+    write_json,
+)
+from scenarios import selfdescribe
+from scenarios.errors import HarnessError, UsageError
+from scenarios.progress import Observer, Sample, Sampler, SampleWriter
+from scenarios.provision import PgServer, postgres, redact_dsn
+from scenarios.spec import ScenarioSpec
+
+DEFAULT_OUT = Path("runs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    backend: str = "pg"
+    seed: int = 0
+    out: Path = DEFAULT_OUT
+    dsn: str | None = None
+    sql_path: str | None = None
+    # None: a fresh schema for this run, dropped after the final snapshot.
+    schema: str | None = None
+    keep_schema: bool = False
+    worker_grace_seconds: float = 10.0
+
+
+@dataclass(kw_only=True)
+class RunResult:
+    run_dir: Path
+    verdict: Any  # reports.checker.Verdict
+    info: RunInfo
+    samples: list[Sample] = field(default_factory=list)
+    description: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return int(self.verdict.exit_code)
+
+
+class RunContext(Protocol):
+    """What a nemesis may act on while the load runs."""
+
+    run_dir: Path
+    server: PgServer
+    pool: Any  # scenarios.workers.WorkerPool
+    nemesis_log: JsonlWriter
+
+
+class Nemesis(Protocol):
+    """A fault schedule: started when the load starts, stopped (healed) before the drain.
+    Each fault it applies is a reports.history.FaultEvent in nemesis.jsonl."""
+
+    def start(self, ctx: RunContext, seed: int) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class NoNemesis:
+    def start(self, ctx: RunContext, seed: int) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+
+@dataclass(kw_only=True)
+class _Ctx:
+    run_dir: Path
+    server: PgServer
+    pool: Any
+    nemesis_log: JsonlWriter
+
+
+def new_run_dir(out: Path, spec: ScenarioSpec, seed: int) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    run_dir = out / f"{stamp}-{spec.name}-s{seed}-{secrets.token_hex(2)}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    return run_dir
+
+
+def dispatcher_config(spec: ScenarioSpec, allow: tuple[str, ...]) -> DispatcherConfig:
+    config = DispatcherConfig(
+        batch=spec.batch,
+        lease_seconds=spec.lease,
+        http_timeout_seconds=spec.http_timeout,
+        write_margin_seconds=spec.write_margin,
+        poll_seconds=spec.poll,
+        recovery_enabled=spec.recovery,
+        recovery_interval_seconds=spec.recovery_interval,
+        renew_leases=spec.renew_leases,
+        retry_base_seconds=spec.retry_base,
+        retry_cap_seconds=spec.retry_cap,
+        retry_jitter=spec.retry_jitter,
+        allow_targets=allow,
+        unsafe_timing=spec.unsafe_timing,
+        failpoints=tuple(sorted(spec.failpoints.items())),
+    )
+    config.validate()
+    return config
+
+
+# --------------------------------------------------------------------------------------------
+# Producers, each in its own spawned process.
+# --------------------------------------------------------------------------------------------
+
+
+GO_FILE = "go.json"
+
+
+def _producer_configs(spec: ScenarioSpec, backend: BackendSpec, run_dir: Path,
+                      target_url: str, seed: int) -> list[dict[str, Any]]:
+    base = {
+        "spec": spec.to_json(),
+        "backend": dataclasses.asdict(backend),
+        "run_dir": str(run_dir),
+        "target_url": target_url,
+        "seed": seed,
+        "go_file": str(run_dir / LOCUST_DIR / GO_FILE),
+    }
+    if not spec.distributed:
+        return [{**base, "role": "local", "index": i} for i in range(spec.producers)]
+    with contextlib.closing(__import__("socket").socket()) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    master = {**base, "role": "master", "index": 0, "master_port": port}
+    workers = [
+        {**base, "role": "worker", "index": i, "master_port": port}
+        for i in range(spec.producers)
+    ]
+    return [master, *workers]
+
+
+@contextlib.contextmanager
+def producer_processes(configs: list[dict[str, Any]]) -> Iterator[list[Any]]:
+    """Start producer processes; on leaving, any still running are terminated, then killed."""
+    import multiprocess  # heavy import, only where processes start
+
+    ctx = multiprocess.get_context("spawn")
+    processes: list[Any] = []
+    try:
+        for config in configs:
+            # runpy, not a function of scenarios.producers: that module imports locust (and
+            # so gevent's patches) first, which must not happen in this process, and its
+            # configuration is plain data so that unpickling it imports nothing (psycopg
+            # must be imported after the patches in the child).
+            process = ctx.Process(
+                target=__import__("runpy").run_module,
+                args=("scenarios.producers",),
+                kwargs={"init_globals": {"PRODUCER_CONFIG": config}, "run_name": "__main__"},
+                name=f"skiplock-producer-{config['role']}-{config['index']}",
+                daemon=True,
+            )
+            process.start()
+            processes.append(process)
+        yield processes
+    finally:
+        for process in processes:
+            if process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+                process.join()
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling in the background, one sample a second.
+# --------------------------------------------------------------------------------------------
+
+
+class _SampleLoop:
+    def __init__(self, sampler: Sampler, writer: SampleWriter,
+                 observer: Observer | None) -> None:
+        self.sampler = sampler
+        self.writer = writer
+        self.observer = observer
+        self.phase = "setup"
+        self.samples: list[Sample] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="skiplock-sampler",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def take(self) -> Sample:
+        with self._lock:
+            sample = self.sampler.sample(self.phase)
+            self.samples.append(sample)
+            self.writer.write(sample)
+        if self.observer is not None:
+            self.observer(sample)
+        return sample
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            with contextlib.suppress(Exception):
+                self.take()
+
+    def drain_state(self) -> tuple[int | None, int | None]:
+        """(jobs not terminal, of which stranded in an expired lease)."""
+        with self._lock:
+            return self.sampler.live_jobs(), self.sampler.stranded_jobs()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10.0)
+        with contextlib.suppress(Exception):
+            self.take()
+        self.writer.close()
+        self.sampler.close()
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _drop_schema(dsn: str, schema: str) -> None:
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def _write_final_jobs(path: Path, states: list[JobState]) -> None:
+    with JsonlWriter(path) as writer:
+        for state in states:
+            record = to_record(state)
+            record["job_id"] = str(state.job_id)
+            record["status"] = state.status.value
+            for key in ("locked_until", "next_attempt_at"):
+                value = getattr(state, key)
+                record[key] = None if value is None else value.timestamp()
+            record["extra"] = dict(state.extra)
+            writer.write(record)
+
+
+def _wait_drained(loop: _SampleLoop, timeout: float, recovery: bool) -> bool:
+    """True when the queue is quiescent: every job terminal or, with recovery off, every
+    live job stranded in an expired lease (nothing will ever move those again, and the
+    checker reports them as stuck). False when the timeout came first."""
+    deadline = time.monotonic() + timeout
+    quiet_since: float | None = None
+    while True:
+        live, stranded = loop.drain_state()
+        if live == 0:
+            return True
+        if not recovery and live is not None and live == stranded:
+            # Stable for a second, so a job between claim and lease is not mistaken.
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since >= 1.0:
+                return True
+        else:
+            quiet_since = None
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+
+
+def run_scenario(
+    spec: ScenarioSpec,
+    options: RunOptions,
+    *,
+    observer: Observer | None = None,
+    nemesis: Nemesis | None = None,
+    announce: Callable[[str], None] | None = None,
+) -> RunResult:
+    """Run `spec` and judge it. Raises HarnessError when the harness itself fails."""
+    from reports.checker import check_run, write_verdict
+
+    from scenarios.workers import WorkerPool
+
+    say = announce or (lambda _message: None)
+    nemesis = nemesis or NoNemesis()
+    run_dir = new_run_dir(options.out, spec, options.seed)
+    (run_dir / LOCUST_DIR).mkdir()
+    (run_dir / WORKERS_DIR).mkdir()
+    (run_dir / NEMESIS_FILE).touch()
+    (run_dir / ENQUEUES_FILE).touch()
+    say(f"run directory: {run_dir}")
+
+    started = time.time()
+    drained = False
+    drain_seconds = 0.0
+    exit_reason = "error: setup did not finish"
+    description: dict[str, Any] = {}
+    schema = options.schema or f"skiplock_{secrets.token_hex(4)}"
+    loop: _SampleLoop | None = None
+    backend_spec: BackendSpec | None = None
+
+    def write_run_info() -> RunInfo:
+        info = RunInfo(
+            started=started,
+            finished=time.time(),
+            drained=drained,
+            drain_seconds=drain_seconds,
+            exit_reason=exit_reason,
+            backend=options.backend,
+            retry_base_seconds=spec.retry_base,
+            retry_cap_seconds=spec.retry_cap,
+            retry_jitter=spec.retry_jitter,
+            http_timeout_seconds=spec.http_timeout,
+            lease_seconds=spec.lease,
+            account_limits=dict(spec.account_limits()),
+        )
+        write_json(run_dir / RUN_FILE, to_record(info))
+        return info
+
+    def write_spec_json(extra: dict[str, Any]) -> None:
+        write_json(
+            run_dir / SPEC_FILE,
+            {
+                "scenario": spec.to_json(),
+                "seed": options.seed,
+                "backend": backend_spec.display() if backend_spec else options.backend,
+                "schema": schema,
+                "sql_path": options.sql_path,
+                **description,
+                **extra,
+            },
+        )
+
+    phases: list[dict[str, Any]] = []
+
+    def phase(name: str) -> None:
+        now = time.time()
+        if phases:
+            phases[-1]["end"] = now
+        if name:
+            phases.append({"name": name, "start": now, "end": None})
+        if loop is not None:
+            loop.phase = name or "done"
+
+    try:
+        with contextlib.ExitStack() as stack:
+            phase("setup")
+            server = stack.enter_context(postgres(options.dsn, durable=True))
+            say(f"PostgreSQL: {server.kind} {server.display}")
+            backend_spec = BackendSpec(name=options.backend, dsn=server.dsn, schema=schema,
+                                       sql_path=options.sql_path)
+            description = selfdescribe.describe(server.dsn)
+            with contextlib.suppress(Exception):
+                description["postgres"]["harness"] = server.settings()
+            description["postgres"]["dsn"] = redact_dsn(server.dsn)
+            description["postgres"]["owned"] = server.owned
+            write_spec_json({"phases": phases})
+
+            queue: QueueBackend = backend_spec.create()
+            stack.callback(queue.close)
+            queue.setup()
+            queue.upsert_accounts(
+                [Account(id=a, concurrency_limit=limit)
+                 for a, limit in spec.account_limits().items()]
+            )
+            if options.schema is None and not options.keep_schema:
+                # Registered before the snapshot runs, so it runs after it (LIFO).
+                stack.callback(_drop_schema, server.dsn, schema)
+
+            target = stack.enter_context(_target(run_dir))
+            allow = (f"{target.host}:{target.port}",)
+            config = dispatcher_config(spec, allow)
+
+            loop = _SampleLoop(Sampler(run_dir, server.dsn, schema, queue),
+                               SampleWriter(run_dir / SAMPLES_FILE), observer)
+            loop.start()
+            stack.callback(loop.stop)
+
+            pool = stack.enter_context(
+                WorkerPool(backend_spec, config, spec.workers, run_dir / WORKERS_DIR)
+            )
+            pool.start()
+            say(f"{spec.workers} workers, target {target.url}")
+
+            nemesis_log = stack.enter_context(JsonlWriter(run_dir / NEMESIS_FILE))
+            configs = _producer_configs(spec, backend_spec, run_dir, target.deliver_url,
+                                        options.seed)
+            producers = stack.enter_context(producer_processes(configs))
+            start_at = _go(run_dir, producers)
+            phase("warmup")
+            nemesis.start(_Ctx(run_dir=run_dir, server=server, pool=pool,
+                               nemesis_log=nemesis_log), options.seed)
+            try:
+                _wait_phases(spec, producers, start_at, phase)
+            finally:
+                nemesis.stop()
+            _check_producers(producers)
+
+            phase("drain")
+            drain_started = time.monotonic()
+            drained = _wait_drained(loop, spec.drain_timeout, spec.recovery)
+            drain_seconds = time.monotonic() - drain_started
+            say("drained" if drained else f"drain timed out after {spec.drain_timeout:g} s")
+            pool.stop(grace_seconds=options.worker_grace_seconds)
+            phase("")
+            _write_final_jobs(run_dir / FINAL_JOBS_FILE, queue.snapshot())
+            exit_reason = "completed"
+    except KeyboardInterrupt:
+        exit_reason = "interrupted"
+        raise
+    except (HarnessError, UsageError) as exc:
+        exit_reason = f"error: {exc}"
+        raise
+    except Exception as exc:
+        exit_reason = f"error: {type(exc).__name__}: {exc}"
+        raise HarnessError(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if phases and phases[-1]["end"] is None:
+            phases[-1]["end"] = time.time()
+        info = write_run_info()
+        with contextlib.suppress(Exception):
+            write_spec_json({"phases": phases})
+
+    verdict = check_run([run_dir])
+    write_verdict(run_dir, verdict)
+    return RunResult(run_dir=run_dir, verdict=verdict, info=info,
+                     samples=list(loop.samples) if loop else [], description=description)
+
+
+@contextlib.contextmanager
+def _target(run_dir: Path) -> Iterator[Any]:
+    from chaos.target import TargetProcess
+
+    target = TargetProcess(run_dir, name="target-0")
+    target.start()
+    try:
+        yield target
+    finally:
+        target.stop()
+
+
+def _wait_phases(spec: ScenarioSpec, producers: list[Any], start_at: float,
+                 phase: Callable[[str], None]) -> None:
+    """Warm-up then load, by the clock; returns early if every producer has exited."""
+    load_at = start_at + spec.warmup
+    end_at = load_at + spec.duration
+    in_load = False
+    while time.time() < end_at + 15.0:
+        if not in_load and time.time() >= load_at:
+            phase("load")
+            in_load = True
+        if not any(p.is_alive() for p in producers):
+            break
+        time.sleep(0.1)
+    for process in producers:
+        process.join(timeout=5.0)
+        if process.is_alive():
+            # Past its stop time and grace: stop it so that no job is enqueued in the drain.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGTERM)
+            process.join(timeout=5.0)
+
+
+def _go(run_dir: Path, producers: list[Any], timeout: float = 120.0) -> float:
+    """Wait until every producer process is ready, then give them one start time."""
+    deadline = time.monotonic() + timeout
+    while len(list((run_dir / LOCUST_DIR).glob("*.ready"))) < len(producers):
+        dead = [p.name for p in producers if not p.is_alive()]
+        if dead:
+            raise HarnessError(f"producer process(es) exited during start: {', '.join(dead)}")
+        if time.monotonic() > deadline:
+            raise HarnessError(f"producers not ready after {timeout:g} s")
+        time.sleep(0.05)
+    start_at = time.time() + 0.2
+    write_json(run_dir / LOCUST_DIR / GO_FILE, {"start_at": start_at})
+    return start_at
+
+
+def _check_producers(producers: list[Any]) -> None:
+    failed = [p.name for p in producers if p.exitcode != 0]
+    if failed:
+        raise HarnessError(f"producer process(es) failed: {', '.join(failed)}"
+                           " (see stderr above)")
