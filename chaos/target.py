@@ -338,8 +338,14 @@ class EchoTarget:
         received = time.time()
         headers = request.headers
         job_id = headers.get(JOB_ID_HEADER, "")
-        body = await request.read()
-        parsed = _parse_script(body) if job_id else f"missing {JOB_ID_HEADER} header"
+        problem: str | None
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            body, problem = b"", f"body too large ({exc.text})"
+        else:
+            problem = None if job_id else f"missing {JOB_ID_HEADER} header"
+        parsed = problem or _parse_script(body)
         delivery, step = self._arrive(
             job_id=job_id,
             attempt=_int_or_none(headers.get(ATTEMPT_HEADER)),
