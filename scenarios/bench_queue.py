@@ -1,0 +1,603 @@
+"""`skiplock bench queue`: queue-only throughput (enqueue, claim, complete; no HTTP) through
+`PgQueue` with W worker processes, against the raw-SQL ceiling on the same server in the same
+run: the very claim and finish statements of `queue_impl/sql/reference.sql`, driven by
+`pgbench` with W clients and no Python in the loop. The ratio says what the Python layer costs.
+
+Both phases start from an identical freshly prefilled table in their own schema, with durable
+server settings (fsync, synchronous_commit and full_page_writes on), and one "cycle" means the
+same thing in both: claim a batch in one transaction, then finish it in another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+
+from scenarios.errors import HarnessError, UsageError
+from scenarios.provision import PgServer, pg_binary, postgres
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LEASE = timedelta(seconds=300)
+ENQUEUE_CHUNK = 5_000
+# Generous on purpose: a phase that runs out of due jobs measures an empty queue, not the
+# queue. Running dry is detected and reported either way.
+PREFILL_JOBS_PER_SECOND = 8_000
+PREFILL_MIN = 20_000
+READY_TIMEOUT_SECONDS = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Params:
+    workers: int
+    batch: int
+    duration: float
+    prefill: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseResult:
+    """One phase's figures. Latencies are per cycle (claim + finish of one batch), in ms."""
+
+    jobs: int
+    cycles: int
+    seconds: float
+    jobs_per_second: float
+    cycle_p50_ms: float | None
+    cycle_p99_ms: float | None
+    ran_dry: bool
+    extra: Mapping[str, Any]
+
+
+# --- command line ------------------------------------------------------------------------
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--batch", type=int, default=10, help="jobs per claim (default 10)")
+    parser.add_argument(
+        "--duration", type=float, default=10.0, help="seconds per phase (default 10)"
+    )
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        help=f"jobs enqueued before each phase (default: {PREFILL_JOBS_PER_SECOND}/s of "
+        f"duration, at least {PREFILL_MIN})",
+    )
+    parser.add_argument(
+        "--dsn", default=None, help="PostgreSQL DSN (default: SKIPLOCK_PG_DSN, else embedded)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="JSON result file (default bench-results/...)"
+    )
+
+
+def validate(args: argparse.Namespace) -> Params:
+    """One line per mistake, raised as UsageError (exit 2)."""
+    for name in ("workers", "batch"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    if not args.duration > 0:
+        raise UsageError(f"--duration must be a positive number of seconds, got {args.duration}")
+    prefill = args.prefill
+    if prefill is None:
+        prefill = max(PREFILL_MIN, int(PREFILL_JOBS_PER_SECOND * args.duration))
+    if prefill <= 0:
+        raise UsageError(f"--prefill must be a positive integer, got {prefill}")
+    return Params(
+        workers=args.workers, batch=args.batch, duration=float(args.duration), prefill=prefill
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    params = validate(args)
+    out = args.out or REPO_ROOT / "bench-results" / f"queue-{_stamp()}.json"
+    with postgres(args.dsn, durable=True) as server:
+        settings = server.settings()
+        _say(
+            f"server: {server.kind} {server.display}, PostgreSQL {settings['server_version']}, "
+            f"fsync={settings['fsync']} synchronous_commit={settings['synchronous_commit']} "
+            f"full_page_writes={settings['full_page_writes']}"
+            + ("" if settings["durable"] else "  (NOT durable: figures are not comparable)")
+        )
+        _say(
+            f"params: workers={params.workers} batch={params.batch} "
+            f"duration={params.duration:g}s prefill={params.prefill}"
+        )
+        result = measure(server, params)
+    ratio = (
+        result["queue"].jobs_per_second / result["ceiling"].jobs_per_second
+        if result["ceiling"].jobs_per_second > 0
+        else None
+    )
+    doc = {
+        "benchmark": "queue",
+        "finished_at": datetime.now(UTC).isoformat(),
+        "params": asdict(params),
+        "durable": settings["durable"],
+        "postgres": settings,
+        "server": {"kind": server.kind, "dsn": server.display},
+        "machine": machine_info(),
+        "git": git_info(),
+        "enqueue": result["enqueue"],
+        "queue": asdict(result["queue"]),
+        "ceiling": asdict(result["ceiling"]),
+        "ratio": ratio,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    _print_summary(result["queue"], result["ceiling"], ratio)
+    _say(f"written: {out}")
+    return 0
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _stamp() -> str:
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _print_summary(queue: PhaseResult, ceiling: PhaseResult, ratio: float | None) -> None:
+    rows = [
+        ("phase", "jobs/s", "p50 ms", "p99 ms", "jobs", "ran dry"),
+        (
+            "PgQueue (Python)",
+            f"{queue.jobs_per_second:,.0f}",
+            _ms(queue.cycle_p50_ms),
+            _ms(queue.cycle_p99_ms),
+            str(queue.jobs),
+            "yes" if queue.ran_dry else "no",
+        ),
+        (
+            "raw SQL (pgbench)",
+            f"{ceiling.jobs_per_second:,.0f}",
+            _ms(ceiling.cycle_p50_ms),
+            _ms(ceiling.cycle_p99_ms),
+            str(ceiling.jobs),
+            "yes" if ceiling.ran_dry else "no",
+        ),
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        _say("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    _say("latency: one cycle = claim a batch (one transaction) + finish it (another)")
+    _say(f"ratio queue/ceiling: {'-' if ratio is None else f'{ratio:.2f}'}")
+    if queue.ran_dry or ceiling.ran_dry:
+        _say("warning: a phase ran out of due jobs; raise --prefill and run again")
+
+
+# --- the measurement ---------------------------------------------------------------------
+
+
+def measure(server: PgServer, params: Params) -> dict[str, Any]:
+    """Both phases on one server, each on its own freshly prefilled schema."""
+    run_id = uuid.uuid4().hex[:8]
+    queue_schema = f"bench_q_{run_id}"
+    ceiling_schema = f"bench_c_{run_id}"
+    try:
+        _say(f"prefill: {params.prefill} jobs for the PgQueue phase")
+        enqueue = _prefill(server.dsn, queue_schema, params.prefill)
+        _say(f"prefill: {enqueue['jobs_per_second']:,.0f} jobs/s enqueued")
+        queue = _queue_phase(server.dsn, queue_schema, params)
+        _say(f"prefill: {params.prefill} jobs for the pgbench phase")
+        _prefill(server.dsn, ceiling_schema, params.prefill)
+        ceiling = _pgbench_phase(server.dsn, ceiling_schema, params)
+    finally:
+        _drop_schemas(server.dsn, [queue_schema, ceiling_schema])
+    return {"enqueue": enqueue, "queue": queue, "ceiling": ceiling}
+
+
+def _prefill(dsn: str, schema: str, count: int) -> dict[str, Any]:
+    from queue_impl.interface import NewJob
+    from queue_impl.pg import PgQueue
+
+    queue = PgQueue(dsn, schema=schema)
+    try:
+        queue.setup()
+        started = time.perf_counter()
+        done = 0
+        while done < count:
+            size = min(ENQUEUE_CHUNK, count - done)
+            queue.enqueue(
+                [
+                    NewJob(
+                        id=uuid.uuid4(),
+                        account_id=f"acct-{(done + i) % 8}",
+                        # Never called: this benchmark has no HTTP.
+                        target_url="http://127.0.0.1:9/deliver",
+                        payload={"n": done + i},
+                        max_attempts=3,
+                    )
+                    for i in range(size)
+                ]
+            )
+            done += size
+        seconds = time.perf_counter() - started
+    finally:
+        queue.close()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # Same starting point for both phases: fresh statistics, nothing to flush.
+        conn.execute(sql.SQL("VACUUM ANALYZE {}.jobs").format(sql.Identifier(schema)))
+        conn.execute("CHECKPOINT")
+    return {"jobs": count, "seconds": seconds, "jobs_per_second": count / seconds}
+
+
+def _drop_schemas(dsn: str, schemas: Sequence[str]) -> None:
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+            for schema in schemas:
+                conn.execute(
+                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
+                )
+    except psycopg.Error as exc:
+        print(f"warning: could not drop bench schemas: {exc}", file=sys.stderr)
+
+
+def _pending(dsn: str, schema: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        query = sql.SQL("SELECT count(*) FROM {}.jobs WHERE status = 'PENDING'").format(
+            sql.Identifier(schema)
+        )
+        row = conn.execute(query).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+# --- phase 1: PgQueue in W processes ------------------------------------------------------
+
+
+def _queue_worker(
+    dsn: str,
+    schema: str,
+    batch: int,
+    index: int,
+    out_path: str,
+    ready: Any,
+    go: Any,
+    start_at: Any,
+    progress: Any,
+) -> None:
+    """One benchmark worker process: its own queue and connection, opened here, after the
+    fork. Claims and finishes until the shared deadline, then writes its figures to a file."""
+    from queue_impl.interface import AttemptResult, Outcome
+    from queue_impl.pg import PgQueue
+
+    queue = PgQueue(dsn, schema=schema)
+    worker_id = f"bench-{index}"
+    try:
+        # Connect and run each statement once before the clock starts (not counted).
+        warm = queue.claim(worker_id, 1, LEASE)
+        queue.finish([AttemptResult(lease=lease, outcome=Outcome.SUCCESS) for lease in warm])
+        ready.release()
+        go.wait()
+        deadline = start_at.value
+        cycles: list[float] = []
+        claims: list[float] = []
+        jobs = 0
+        ran_dry = False
+        now = time.monotonic()
+        while now < deadline:
+            t0 = time.perf_counter()
+            leases = queue.claim(worker_id, batch, LEASE)
+            t1 = time.perf_counter()
+            if not leases:
+                ran_dry = True
+                break
+            queue.finish(
+                [
+                    AttemptResult(lease=lease, outcome=Outcome.SUCCESS, http_status=200)
+                    for lease in leases
+                ]
+            )
+            t2 = time.perf_counter()
+            claims.append((t1 - t0) * 1000)
+            cycles.append((t2 - t0) * 1000)
+            jobs += len(leases)
+            progress[index] = jobs
+            now = time.monotonic()
+        Path(out_path).write_text(
+            json.dumps({"jobs": jobs, "cycles": cycles, "claims": claims, "ran_dry": ran_dry})
+        )
+    finally:
+        queue.close()
+
+
+def _queue_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
+    import multiprocess
+    from multiprocess.connection import wait
+
+    ctx = multiprocess.get_context("fork")
+    ready = ctx.Semaphore(0)
+    go = ctx.Event()
+    start_at = ctx.Value("d", 0.0, lock=False)
+    # One slot per worker, each written by its own worker only: no lock needed.
+    progress = ctx.Array("q", params.workers, lock=False)
+    with tempfile.TemporaryDirectory(prefix="skiplock-bench-") as tmp:
+        outs = [str(Path(tmp) / f"worker-{i}.json") for i in range(params.workers)]
+        procs = [
+            ctx.Process(
+                target=_queue_worker,
+                args=(dsn, schema, params.batch, i, outs[i], ready, go, start_at, progress),
+                name=f"bench-{i}",
+                daemon=True,
+            )
+            for i in range(params.workers)
+        ]
+        try:
+            for proc in procs:
+                proc.start()
+            for _ in procs:
+                if not ready.acquire(timeout=READY_TIMEOUT_SECONDS):
+                    raise HarnessError("a benchmark worker did not get ready in time")
+            _say(f"PgQueue: {params.workers} worker processes, {params.duration:g} s")
+            started = time.monotonic()
+            start_at.value = started + params.duration
+            go.set()
+            shown = started
+            while alive := [proc for proc in procs if proc.is_alive()]:
+                # Wakes when a worker ends, else once a second for the progress line.
+                wait([proc.sentinel for proc in alive], timeout=1.0)
+                now = time.monotonic()
+                if now - shown >= 1.0 and now - started <= params.duration + 0.5:
+                    shown = now
+                    _say(f"  {now - started:4.0f} s  {sum(progress):>9,} jobs")
+            failed = [proc.name for proc in procs if proc.exitcode != 0]
+            if failed:
+                raise HarnessError(f"benchmark worker(s) failed: {', '.join(failed)}")
+            figures = [json.loads(Path(path).read_text()) for path in outs]
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+    jobs = sum(f["jobs"] for f in figures)
+    cycles = sorted(c for f in figures for c in f["cycles"])
+    claims = sorted(c for f in figures for c in f["claims"])
+    seconds = params.duration
+    return PhaseResult(
+        jobs=jobs,
+        cycles=len(cycles),
+        seconds=seconds,
+        jobs_per_second=jobs / seconds,
+        cycle_p50_ms=_percentile(cycles, 0.50),
+        cycle_p99_ms=_percentile(cycles, 0.99),
+        ran_dry=any(f["ran_dry"] for f in figures),
+        extra={
+            "claim_p50_ms": _percentile(claims, 0.50),
+            "claim_p99_ms": _percentile(claims, 0.99),
+            "driver": "queue_impl.pg.PgQueue (variant pg), multiprocess fork",
+        },
+    )
+
+
+# --- phase 2: the same SQL through pgbench -------------------------------------------------
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+
+
+def _block_sql(text: str) -> str:
+    """A named block without its comment lines and trailing semicolon."""
+    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("--")]
+    return "\n".join(lines).strip().rstrip(";").strip()
+
+
+def pgbench_script(statements: Mapping[str, str]) -> str:
+    """The reference claim and finish as a pgbench script: the statements unchanged except
+    that placeholders become pgbench variables and the claim's final SELECT hands the claimed
+    rows to the finish as arrays (`\\gset`), as PgQueue hands them over in Python."""
+    lock = _block_sql(statements["claim_lock_accounts"])
+    claim = _block_sql(statements["claim"])
+    finish = _block_sql(statements["finish"])
+    tail = re.search(r"\nSELECT \* FROM claimed\s*$", claim)
+    if tail is None:
+        raise HarnessError("the claim block no longer ends with SELECT * FROM claimed")
+    # Every benchmark account is unlimited, so step 1 locks none and step 2 gets '{}', as
+    # PgQueue passes the (empty) list of locked accounts.
+    handover = (
+        "\nSELECT"
+        " COALESCE(array_agg(ord)::text, '{}') AS ords,"
+        " COALESCE(array_agg(id)::text, '{}') AS job_ids,"
+        " COALESCE(array_agg(lease_token)::text, '{}') AS lease_tokens,"
+        " COALESCE(array_agg(attempts)::text, '{}') AS attempts,"
+        " COALESCE(array_agg(locked_by)::text, '{}') AS workers,"
+        " COALESCE(array_agg('success'::text)::text, '{}') AS outcomes,"
+        " COALESCE(array_agg(200)::text, '{}') AS http_statuses,"
+        " COALESCE(array_agg(NULL::text)::text, '{}') AS errors,"
+        " COALESCE(array_agg('0'::interval)::text, '{}') AS retry_delays,"
+        " COALESCE(array_agg(NULL::timestamptz)::text, '{}') AS finished_ats,"
+        " count(*) AS claimed_n"
+        " FROM (SELECT (row_number() OVER () - 1)::integer AS ord, * FROM claimed) AS c"
+    )
+    claim = claim[: tail.start()] + handover
+    claim = _PLACEHOLDER.sub(lambda m: ":" + m.group(1), claim)
+    finish = _PLACEHOLDER.sub(lambda m: ":" + m.group(1), finish)
+    return "\n".join(
+        [
+            "BEGIN;",
+            lock + ";",
+            claim.replace(":locked_accounts", "'{}'") + " \\gset",
+            "COMMIT;",
+            "BEGIN;",
+            finish + ";",
+            "COMMIT;",
+            "",
+        ]
+    )
+
+
+def _pg_env(dsn: str, schema: str) -> dict[str, str]:
+    """libpq environment for pgbench: the DSN's parts (password included, never printed)."""
+    names = {
+        "host": "PGHOST",
+        "hostaddr": "PGHOSTADDR",
+        "port": "PGPORT",
+        "user": "PGUSER",
+        "password": "PGPASSWORD",
+        "dbname": "PGDATABASE",
+        "sslmode": "PGSSLMODE",
+        "passfile": "PGPASSFILE",
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    for key, value in conninfo_to_dict(dsn).items():
+        if key in names and value is not None:
+            env[names[key]] = str(value)
+    # pgbench sessions see the schema as PgQueue's connections do.
+    env["PGOPTIONS"] = f"-c search_path={schema}"
+    env["PGAPPNAME"] = "skiplock-bench-pgbench"
+    return env
+
+
+def _pgbench_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
+    from queue_impl.sqlfile import reference_statements
+
+    pgbench = pg_binary("pgbench")
+    before = _pending(dsn, schema)
+    duration = max(1, round(params.duration))
+    with tempfile.TemporaryDirectory(prefix="skiplock-pgbench-") as tmp:
+        script = Path(tmp) / "claim_finish.sql"
+        script.write_text(pgbench_script(reference_statements()))
+        argv = [
+            str(pgbench),
+            "--no-vacuum",
+            "--protocol=prepared",
+            f"--client={params.workers}",
+            f"--jobs={params.workers}",
+            f"--time={duration}",
+            "--progress=1",
+            "--log",
+            f"--log-prefix={Path(tmp) / 'tx'}",
+            f"--file={script}",
+            f"--define=batch={params.batch}",
+            f"--define=lease={int(LEASE.total_seconds())} seconds",
+            "--define=worker_id=pgbench",
+        ]
+        _say(f"pgbench: {params.workers} clients, {duration} s, the reference claim + finish")
+        proc = subprocess.Popen(
+            argv,
+            env=_pg_env(dsn, schema),
+            cwd=tmp,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        output: list[str] = []
+        assert proc.stdout is not None
+        with proc:
+            for line in proc.stdout:
+                output.append(line.rstrip("\n"))
+                if line.startswith("progress:"):
+                    _say("  " + line.strip())
+        if proc.returncode != 0:
+            tail = " / ".join(ln for ln in output[-3:] if ln.strip())
+            raise HarnessError(f"pgbench failed (exit {proc.returncode}): {tail}")
+        latencies = sorted(_read_pgbench_logs(Path(tmp)))
+    after = _pending(dsn, schema)
+    jobs = before - after
+    return PhaseResult(
+        jobs=jobs,
+        cycles=len(latencies),
+        seconds=float(duration),
+        jobs_per_second=jobs / duration,
+        cycle_p50_ms=_percentile(latencies, 0.50),
+        cycle_p99_ms=_percentile(latencies, 0.99),
+        ran_dry=after == 0,
+        extra={
+            "driver": "pgbench --protocol=prepared, statements from queue_impl/sql/reference.sql",
+            "pgbench_summary": [ln for ln in output if not ln.startswith("progress:")][-12:],
+        },
+    )
+
+
+def _read_pgbench_logs(folder: Path) -> list[float]:
+    """Per-transaction latencies (ms) from pgbench's --log files: the 3rd field is in µs."""
+    out: list[float] = []
+    for path in folder.glob("tx*"):
+        for line in path.read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 3 and fields[2].isdigit():
+                out.append(int(fields[2]) / 1000.0)
+    return out
+
+
+# --- self-description ----------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem_kib = next(
+            int(line.split()[1])
+            for line in Path("/proc/meminfo").read_text().splitlines()
+            if line.startswith("MemTotal:")
+        )
+    except (OSError, StopIteration, ValueError):
+        mem_kib = None
+    return {
+        "hostname": platform.node(),
+        "system": f"{platform.system()} {platform.release()}",
+        "machine": platform.machine(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "memory_gib": None if mem_kib is None else round(mem_kib / 1024 / 1024, 1),
+        "python": platform.python_version(),
+        "psycopg": psycopg.__version__,
+        "load_average": list(os.getloadavg()),
+    }
+
+
+def git_info(root: Path = REPO_ROOT) -> dict[str, Any]:
+    """The commit and whether the tree had uncommitted changes (None outside a git tree)."""
+    git = shutil.which("git")
+    if git is None:
+        return {"sha": None, "dirty": None}
+
+    def call(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                [git, *args], cwd=root, capture_output=True, text=True, timeout=10, check=False
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    sha = call("rev-parse", "HEAD")
+    status = call("status", "--porcelain", "--untracked-files=no")
+    return {"sha": sha, "dirty": None if status is None else bool(status)}

@@ -1,0 +1,57 @@
+"""The queue benchmark end to end for a second per phase: it runs and describes itself.
+Speed is measured by `skiplock bench queue`, never asserted here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from scenarios import bench_queue
+
+pytestmark = pytest.mark.integration
+
+
+def test_bench_queue_writes_a_self_describing_result(pg_dsn: str, tmp_path: Path) -> None:
+    out = tmp_path / "queue.json"
+    parser = argparse.ArgumentParser()
+    bench_queue.configure(parser)
+    args = parser.parse_args(
+        [
+            "--workers",
+            "2",
+            "--batch",
+            "5",
+            "--duration",
+            "1",
+            "--prefill",
+            "3000",
+            "--dsn",
+            pg_dsn,
+            "--out",
+            str(out),
+        ]
+    )
+    assert bench_queue.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["params"] == {"workers": 2, "batch": 5, "duration": 1.0, "prefill": 3000}
+    for phase in ("queue", "ceiling"):
+        assert doc[phase]["jobs"] > 0, f"{phase} completed no job"
+        assert doc[phase]["cycles"] > 0
+        assert doc[phase]["cycle_p50_ms"] <= doc[phase]["cycle_p99_ms"]
+    assert doc["ratio"] == pytest.approx(
+        doc["queue"]["jobs_per_second"] / doc["ceiling"]["jobs_per_second"]
+    )
+    assert doc["postgres"]["server_version"]
+    assert "fsync" in doc["postgres"]
+    assert set(doc["git"]) == {"sha", "dirty"}
+    assert doc["machine"]["cpu_count"] >= 1
+    # Nothing of the benchmark is left in the database.
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'bench\\_%'"
+        ).fetchone()
+    assert row == (0,)

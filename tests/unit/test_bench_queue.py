@@ -1,0 +1,68 @@
+"""The queue benchmark's input checks and its pgbench script, without a server."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from queue_impl.sqlfile import reference_statements
+from scenarios import bench_queue
+from scenarios.errors import UsageError
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_queue.configure(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--workers", "0"], "--workers must be a positive integer"),
+        (["--batch", "-3"], "--batch must be a positive integer"),
+        (["--duration", "0"], "--duration must be a positive number"),
+        (["--duration", "nan"], "--duration must be a positive number"),
+        (["--prefill", "0"], "--prefill must be a positive integer"),
+    ],
+)
+def test_non_positive_inputs_are_refused_in_one_line(argv: list[str], message: str) -> None:
+    with pytest.raises(UsageError) as caught:
+        bench_queue.validate(_args(*argv))
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)
+    assert UsageError.exit_code == 2
+
+
+def test_prefill_defaults_to_enough_for_the_duration() -> None:
+    params = bench_queue.validate(_args("--duration", "60"))
+    assert params.prefill == 60 * bench_queue.PREFILL_JOBS_PER_SECOND
+    assert bench_queue.validate(_args("--duration", "1")).prefill == bench_queue.PREFILL_MIN
+
+
+def test_pgbench_script_runs_the_reference_statements() -> None:
+    statements = reference_statements()
+    script = bench_queue.pgbench_script(statements)
+    # No psycopg placeholder is left for pgbench to choke on.
+    assert "%(" not in script
+    # The claim's locking clause and the finish's fencing condition are there unchanged.
+    assert "FOR UPDATE OF j SKIP LOCKED" in script
+    assert "j.lease_token = r.lease_token AND j.status = 'PROCESSING'" in script
+    # Every variable the finish reads is one the claim's handover sets.
+    finish = script.split("\\gset", 1)[1]
+    handed_over = set(re.findall(r" AS (\w+),", script.split("\\gset", 1)[0]))
+    used = set(re.findall(r":(\w+)::", finish))
+    assert used, "the finish reads no variables"
+    assert used <= handed_over
+    # Two transactions per cycle, as PgQueue does it.
+    assert script.count("BEGIN;") == 2
+    assert script.count("COMMIT;") == 2
+
+
+def test_percentile_picks_from_the_sorted_values() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert bench_queue._percentile(values, 0.5) == 51.0
+    assert bench_queue._percentile(values, 0.99) == 99.0
+    assert bench_queue._percentile([], 0.5) is None
