@@ -130,3 +130,25 @@ def test_to_json_round_trips() -> None:
     again = spec_mod.from_mapping(spec.to_json())
     assert again == spec
     assert isinstance(again, ScenarioSpec)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "steady", "--set", "bogus=1"],
+        ["run", "steady", "--workers", "0"],
+        ["run", "no-such-scenario"],
+        ["run", "steady", "--backend", "nope"],
+        ["run", "steady", "--set", "http_timeout=20"],
+        ["demo", "--set", "mix.unknown=1"],
+    ],
+)
+def test_cli_bad_input_is_exit_2_with_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from scenarios.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("skiplock: ")
+    assert err.count("\n") == 1
