@@ -237,6 +237,9 @@ class Dispatcher:
                         )
                         continue
                     await self._run_batch(session, resolver, leases)
+        except BaseException as exc:
+            self._stop_reason = f"error: {type(exc).__name__}: {_one_line(exc)}"
+            raise
         finally:
             self.emit("stop", reason=self._stop_reason)
             await asyncio.to_thread(self.backend.close)
@@ -515,8 +518,12 @@ def run_worker(
 ) -> None:
     """The body of one worker process: open the backend here (after the process started),
     run until SIGTERM or SIGINT, drain, and return."""
-    backend = spec.create()
-    dispatcher = Dispatcher(backend, config, worker_id, sink)
+    try:
+        backend = spec.create()
+        dispatcher = Dispatcher(backend, config, worker_id, sink)
+    except Exception as exc:
+        sink("stop", {"reason": f"error: {type(exc).__name__}: {_one_line(exc)}"})
+        raise
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

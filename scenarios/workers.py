@@ -54,17 +54,8 @@ def _worker_main(
         )
 
     try:
+        # run_worker writes the `stop` event itself, on every way out but a crash.
         run_worker(spec, config, worker_id, sink)
-    except BaseException as exc:
-        writer.write(
-            WorkerEvent(
-                kind="stop",
-                worker=worker_id,
-                time=time.time(),
-                data={"reason": f"error: {type(exc).__name__}: {exc}"},
-            )
-        )
-        raise
     finally:
         writer.close()
 

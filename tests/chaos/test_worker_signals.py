@@ -268,3 +268,20 @@ def test_worker_command_drains_on_sigterm_and_leaves_no_child(
         assert not pid_alive(pid)
     for path in events_dir.glob("*.jsonl"):
         assert events(path)[-1]["kind"] == "stop"
+
+
+def test_crash_after_claim_failpoint_dies_before_any_http(
+    spec: BackendSpec, target: TargetProcess, tmp_path: Path
+) -> None:
+    config = config_for(target, batch=1, failpoints=(("crash_after_claim", 1.0),))
+    [job_id] = enqueue(spec, target.deliver_url, SLOW, count=1)
+    pool = WorkerPool(spec, config, 1, tmp_path / "workers")
+    with pool:
+        assert pool.join(30.0)
+        assert pool.exitcodes() == [FAILPOINT_EXIT_CODE]
+    log = events(pool.events_path("worker-0"))
+    assert [e["kind"] for e in log] == ["start", "claim", "failpoint"]
+    assert log[-1]["data"]["name"] == "crash_after_claim"
+    assert (log[-1]["job_id"], log[-1]["attempt"]) == (str(job_id), 1)
+    assert deliveries(target) == []
+    assert snapshot(spec)[job_id].status is JobStatus.PROCESSING

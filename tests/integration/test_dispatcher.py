@@ -13,10 +13,12 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 from aiohttp import web
 
@@ -27,9 +29,12 @@ from queue_impl.interface import (
     JOB_ID_HEADER,
     WORKER_HEADER,
     Account,
+    AttemptResult,
     JobState,
     JobStatus,
+    Lease,
     NewJob,
+    WriteResult,
 )
 from queue_impl.pg import PgQueue
 
@@ -98,6 +103,9 @@ class EchoServer:
             response = web.Response(status=503 if seen == 1 else 200)
         elif request.path == "/bad":
             response = web.Response(status=400)
+        elif request.path == "/slow":
+            await asyncio.sleep(1.6)
+            response = web.Response(status=200)
         elif request.path == "/hang-once":
             if seen == 1:
                 await asyncio.sleep(1.5)  # past the 0.5 s HTTP timeout
@@ -143,9 +151,18 @@ def server() -> Iterator[EchoServer]:
         loop.close()
 
 
+class Queue(PgQueue):
+    """The test's own handle on the queue, which remembers where it lives so each
+    dispatcher can open its own backend."""
+
+    def __init__(self, dsn: str, *, schema: str) -> None:
+        super().__init__(dsn, schema=schema)
+        self.dsn = dsn
+
+
 @pytest.fixture
-def queue(pg_dsn: str, fresh_schema: str) -> Iterator[PgQueue]:
-    q = PgQueue(pg_dsn, schema=fresh_schema)
+def queue(pg_dsn: str, fresh_schema: str) -> Iterator[Queue]:
+    q = Queue(pg_dsn, schema=fresh_schema)
     q.setup()
     q.upsert_accounts([Account(id="acct-1"), Account(id="acct-2")])
     try:
@@ -154,7 +171,7 @@ def queue(pg_dsn: str, fresh_schema: str) -> Iterator[PgQueue]:
         q.close()
 
 
-def enqueue(queue: PgQueue, url: str, count: int = 1, account: str = "acct-1") -> list[NewJob]:
+def enqueue(queue: Queue, url: str, count: int = 1, account: str = "acct-1") -> list[NewJob]:
     jobs = [
         NewJob(
             id=uuid.uuid4(),
@@ -173,17 +190,18 @@ Event = tuple[str, dict[str, Any]]
 
 
 def run_until(
-    queue: PgQueue,
+    queue: Queue,
     config: DispatcherConfig,
     done: Callable[[dict[uuid.UUID, JobState]], bool],
     *,
     worker_id: str = "worker-t",
     limit: float = 20.0,
+    backend: PgQueue | None = None,
 ) -> tuple[dict[uuid.UUID, JobState], list[Event]]:
     """Run one dispatcher (its own backend, as a worker process would have) until `done`
     holds for the queue's snapshot, then stop it gracefully."""
     events: list[Event] = []
-    backend = PgQueue(queue._dsn, schema=queue.schema)
+    backend = backend or PgQueue(queue.dsn, schema=queue.schema)
     dispatcher = Dispatcher(backend, config, worker_id, lambda k, f: events.append((k, dict(f))))
 
     async def go() -> dict[uuid.UUID, JobState]:
@@ -208,7 +226,7 @@ def all_terminal(states: dict[uuid.UUID, JobState]) -> bool:
     return bool(states) and all(s.status.terminal for s in states.values())
 
 
-def test_jobs_are_delivered_with_the_protocol_headers(queue: PgQueue, server: EchoServer) -> None:
+def test_jobs_are_delivered_with_the_protocol_headers(queue: Queue, server: EchoServer) -> None:
     config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
     jobs = enqueue(queue, server.url("/ok"), count=7)
     states, events = run_until(queue, config, all_terminal, worker_id="worker-h")
@@ -233,7 +251,7 @@ def test_jobs_are_delivered_with_the_protocol_headers(queue: PgQueue, server: Ec
 
 
 def test_target_not_on_the_allow_list_is_refused_and_never_called(
-    queue: PgQueue, server: EchoServer
+    queue: Queue, server: EchoServer
 ) -> None:
     # Same server, but no allow-list entry: loopback is refused before anything is sent.
     [job] = enqueue(queue, server.url("/ok"))
@@ -246,7 +264,7 @@ def test_target_not_on_the_allow_list_is_refused_and_never_called(
     assert http["result"] == "refused"
 
 
-def test_redirect_is_not_followed(queue: PgQueue, server: EchoServer) -> None:
+def test_redirect_is_not_followed(queue: Queue, server: EchoServer) -> None:
     config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
     [job] = enqueue(queue, server.url("/redirect"))
     states, _ = run_until(queue, config, all_terminal)
@@ -258,7 +276,7 @@ def test_redirect_is_not_followed(queue: PgQueue, server: EchoServer) -> None:
 
 
 def test_503_then_200_is_retried_after_its_backoff_and_completes(
-    queue: PgQueue, server: EchoServer
+    queue: Queue, server: EchoServer
 ) -> None:
     config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
     [job] = enqueue(queue, server.url("/flaky"))
@@ -275,7 +293,7 @@ def test_503_then_200_is_retried_after_its_backoff_and_completes(
     assert outcomes == ["transient", "success"]
 
 
-def test_400_dead_letters_at_once(queue: PgQueue, server: EchoServer) -> None:
+def test_400_dead_letters_at_once(queue: Queue, server: EchoServer) -> None:
     config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
     [job] = enqueue(queue, server.url("/bad"))
     states, events = run_until(queue, config, all_terminal)
@@ -287,7 +305,7 @@ def test_400_dead_letters_at_once(queue: PgQueue, server: EchoServer) -> None:
     assert (http["result"], http["status"]) == ("http_error", 400)
 
 
-def test_a_job_that_times_out_is_retried(queue: PgQueue, server: EchoServer) -> None:
+def test_a_job_that_times_out_is_retried(queue: Queue, server: EchoServer) -> None:
     config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
     [job] = enqueue(queue, server.url("/hang-once"))
     states, events = run_until(queue, config, all_terminal)
@@ -299,7 +317,7 @@ def test_a_job_that_times_out_is_retried(queue: PgQueue, server: EchoServer) -> 
 
 
 def test_unreachable_target_is_a_transient_connection_error(
-    queue: PgQueue, server: EchoServer
+    queue: Queue, server: EchoServer
 ) -> None:
     # A port nobody listens on (the allow-list admits it): refused connections are retried,
     # and the job dead-letters after max_attempts.
@@ -315,3 +333,107 @@ def test_unreachable_target_is_a_transient_connection_error(
     assert states[job.id].attempts == 3
     results = [f["result"] for kind, f in events if kind == "http"]
     assert results == ["connection_error"] * 3
+
+
+class LostWrite(PgQueue):
+    """The first result write dies with the connection before it commits."""
+
+    failed = False
+
+    def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
+        if not self.failed:
+            self.failed = True
+            self.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return super().finish(results)
+
+
+def test_lost_connection_during_the_write_is_info_then_the_worker_goes_on(
+    queue: Queue, server: EchoServer
+) -> None:
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
+    [job] = enqueue(queue, server.url("/ok"))
+    states, events = run_until(
+        queue, config, all_terminal, backend=LostWrite(queue.dsn, schema=queue.schema)
+    )
+    writes = [f for kind, f in events if kind == "write"]
+    assert [w["result"] for w in writes] == ["info", "applied"]
+    assert "server closed the connection" in writes[0]["error"]
+    # The unknown write never landed: the lease expired, recovery retried the job.
+    assert states[job.id].status is JobStatus.COMPLETED
+    assert states[job.id].attempts == 2
+    assert any(kind == "recover" for kind, _ in events)
+    assert len(server.hits_for(job.id)) == 2
+
+
+def test_stop_arriving_during_the_claim_releases_the_leases(
+    queue: Queue, server: EchoServer
+) -> None:
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
+    jobs = enqueue(queue, server.url("/ok"), count=3)
+    loop_box: dict[str, Any] = {}
+
+    class StopDuringClaim(PgQueue):
+        def claim(self, worker_id: str, batch: int, lease: timedelta) -> list[Lease]:
+            leases = super().claim(worker_id, batch, lease)
+            loop, dispatcher = loop_box["loop"], loop_box["dispatcher"]
+            loop.call_soon_threadsafe(dispatcher.request_stop, "SIGTERM")
+            return leases
+
+    events: list[Event] = []
+    dispatcher = Dispatcher(
+        StopDuringClaim(queue.dsn, schema=queue.schema),
+        config,
+        "worker-s",
+        lambda k, f: events.append((k, dict(f))),
+    )
+
+    async def go() -> None:
+        loop_box.update(loop=asyncio.get_running_loop(), dispatcher=dispatcher)
+        await asyncio.wait_for(dispatcher.run(), 20)
+
+    asyncio.run(go())
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["start", "claim", "claim", "claim", "release", "release", "release", "stop"]
+    assert {f["result"] for kind, f in events if kind == "release"} == {"applied"}
+    assert server.hits_for(jobs[0].id) == []
+    states = {s.job_id: s for s in queue.snapshot()}
+    for job in jobs:
+        # Given back uncounted: due again, as if never claimed.
+        assert states[job.id].status is JobStatus.PENDING
+        assert states[job.id].attempts == 0
+
+
+def test_long_call_renews_its_lease_so_recovery_leaves_it_alone(
+    queue: Queue, server: EchoServer
+) -> None:
+    # A call longer than the lease (allowed only with unsafe_timing): renewal at half the
+    # lease keeps the job held, so a recovery pass after the first lease ran out moves nothing.
+    config = replace(
+        CONFIG,
+        allow_targets=(f"127.0.0.1:{server.port}",),
+        lease_seconds=1.0,
+        http_timeout_seconds=3.0,
+        unsafe_timing=True,
+        recovery_enabled=False,
+    )
+    [job] = enqueue(queue, server.url("/slow"))
+    recovered: list[int] = []
+
+    def done(states: dict[uuid.UUID, JobState]) -> bool:
+        hits = server.hits_for(job.id)
+        if hits and not recovered and time.time() > hits[0].received + 1.2:
+            recovered.append(queue.recover())
+        return all_terminal(states)
+
+    states, events = run_until(queue, config, done)
+    assert recovered == [0]
+    assert states[job.id].status is JobStatus.COMPLETED
+    assert states[job.id].attempts == 1
+    renewals = [f for kind, f in events if kind == "renew"]
+    assert renewals
+    assert not any(r.get("lost") for r in renewals)
+    [claim] = [f for kind, f in events if kind == "claim"]
+    assert renewals[-1]["locked_until"] > claim["locked_until"]
+    [write] = [f for kind, f in events if kind == "write"]
+    assert write["result"] == "applied"
