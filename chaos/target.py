@@ -29,7 +29,7 @@ import socket
 import struct
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, assert_never
 
@@ -48,7 +48,7 @@ from reports.history import (
 DEFAULT_HANG_CAP_SECONDS = 600.0
 # How long a stopping target waits for deliveries still being answered (slow, hang).
 DEFAULT_GRACE_SECONDS = 5.0
-# How often a held delivery checks whether its client has gone.
+# How often held deliveries are checked for a client that has gone.
 _POLL_SECONDS = 0.05
 # Behaviour recorded for a request the target could not read (no job id, bad payload).
 BAD_REQUEST = "bad_request"
@@ -170,6 +170,18 @@ class _Open:
         self.done = False  # its record is written
 
 
+class _Held:
+    """A delivery being held (slow, hang): woken early when its client goes away."""
+
+    __slots__ = ("delivery", "request", "until_gone", "wake")
+
+    def __init__(self, *, request: web.Request, delivery: _Open, until_gone: bool) -> None:
+        self.request = request
+        self.delivery = delivery
+        self.until_gone = until_gone
+        self.wake = asyncio.Event()
+
+
 class EchoTarget:
     """The target's state and its aiohttp application. One per process (one event loop)."""
 
@@ -194,6 +206,7 @@ class EchoTarget:
         self._duplicates = 0
         self._unanswered = 0
         self._bad_requests = 0
+        self._held: set[_Held] = set()
         self._stopping = False
 
     def app(self) -> web.Application:
@@ -201,6 +214,7 @@ class EchoTarget:
         app.router.add_post("/deliver", self._deliver)
         app.router.add_post("/deliver/{tail:.*}", self._deliver)
         app.router.add_get("/stats", self._stats)
+        app.cleanup_ctx.append(self._sweeper)
         return app
 
     @property
@@ -320,17 +334,37 @@ class EchoTarget:
         `until_gone` it also ends the wait (nobody is left to answer)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
+        held = _Held(request=request, delivery=delivery, until_gone=until_gone)
+        self._held.add(held)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(held.wake.wait(), seconds)
+            if not until_gone:
+                # The client left early; the work still finishes when it would have.
+                await asyncio.sleep(max(0.0, deadline - loop.time()))
+        finally:
+            self._held.discard(held)
+
+    async def _sweep(self) -> None:
+        """One task watches every held delivery's connection, rather than one wake-up per
+        delivery per tick: hundreds of hung deliveries then cost one loop over a set."""
         while True:
-            left = deadline - loop.time()
-            if left <= 0:
-                return
-            if until_gone and self._stopping:
-                return
-            if not delivery.left and _client_gone(request):
-                self._leave(delivery)
-                if until_gone:
-                    return
-            await asyncio.sleep(min(left, _POLL_SECONDS))
+            for held in list(self._held):
+                if held.wake.is_set():
+                    continue
+                if _client_gone(held.request):
+                    self._leave(held.delivery)
+                    held.wake.set()
+                elif held.until_gone and self._stopping:
+                    held.wake.set()
+            await asyncio.sleep(_POLL_SECONDS)
+
+    async def _sweeper(self, app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(self._sweep())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     # -- handlers --------------------------------------------------------------------------
 
