@@ -27,7 +27,7 @@ import psycopg
 from psycopg import sql
 
 from queue_impl.dispatcher import DispatcherConfig
-from queue_impl.interface import Account, JobState, QueueBackend
+from queue_impl.interface import Account, JobState, JobStatus, QueueBackend
 from queue_impl.plugins import BackendSpec
 from reports.history import (
     ENQUEUES_FILE,
@@ -243,10 +243,10 @@ class _SampleLoop:
             with contextlib.suppress(Exception):
                 self.take()
 
-    def drain_state(self) -> tuple[int | None, int | None]:
-        """(jobs not terminal, of which stranded in an expired lease)."""
+    def drain_state(self) -> tuple[dict[str, int] | None, int | None]:
+        """(jobs per status, jobs stranded in an expired lease); None where unknown."""
         with self._lock:
-            return self.sampler.live_jobs(), self.sampler.stranded_jobs()
+            return self.sampler.status_counts(), self.sampler.stranded_jobs()
 
     def stop(self) -> None:
         self._stop.set()
@@ -278,23 +278,29 @@ def _write_final_jobs(path: Path, states: list[JobState]) -> None:
             writer.write(record)
 
 
-def _wait_drained(loop: _SampleLoop, timeout: float, recovery: bool) -> bool:
-    """True when the queue is quiescent: every job terminal or, with recovery off, every
-    live job stranded in an expired lease (nothing will ever move those again, and the
-    checker reports them as stuck). False when the timeout came first."""
-    deadline = time.monotonic() + timeout
-    quiet_since: float | None = None
+def _wait_drained(loop: _SampleLoop, spec: ScenarioSpec) -> bool:
+    """True when the queue is quiescent, False when the drain timeout came first.
+
+    Quiescent means every job is terminal, or, with recovery off, some jobs are stranded in
+    expired leases and nothing has changed for longer than any legitimate pause (a lease, a
+    retry backoff, a poll): nothing will ever move those jobs, nor the jobs queued behind
+    them on a full account, and the checker reports them as stuck."""
+    deadline = time.monotonic() + spec.drain_timeout
+    settle = spec.lease + spec.retry_cap + spec.poll + 1.0
+    last: tuple[tuple[str, int], ...] | None = None
+    unchanged_since = time.monotonic()
     while True:
-        live, stranded = loop.drain_state()
-        if live == 0:
-            return True
-        if not recovery and live is not None and live == stranded:
-            # Stable for a second, so a job between claim and lease is not mistaken.
-            quiet_since = quiet_since or time.monotonic()
-            if time.monotonic() - quiet_since >= 1.0:
+        counts, stranded = loop.drain_state()
+        if counts is not None:
+            live = sum(n for status, n in counts.items() if not JobStatus(status).terminal)
+            if live == 0:
                 return True
-        else:
-            quiet_since = None
+            signature = tuple(sorted(counts.items()))
+            if signature != last:
+                last, unchanged_since = signature, time.monotonic()
+            elif (not spec.recovery and stranded
+                  and time.monotonic() - unchanged_since >= settle):
+                return True
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.2)
@@ -430,7 +436,7 @@ def run_scenario(
 
             phase("drain")
             drain_started = time.monotonic()
-            drained = _wait_drained(loop, spec.drain_timeout, spec.recovery)
+            drained = _wait_drained(loop, spec)
             drain_seconds = time.monotonic() - drain_started
             say("drained" if drained else f"drain timed out after {spec.drain_timeout:g} s")
             pool.stop(grace_seconds=options.worker_grace_seconds)

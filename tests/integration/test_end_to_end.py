@@ -182,9 +182,12 @@ class KillOneWorker:
 def test_worker_killed_with_recovery_off_is_reported(
     pg_dsn: str, tmp_path: Path, no_leftovers: None
 ) -> None:
-    # Slow jobs keep every worker holding leases, so the kill strands some of them.
-    overrides = ["workers=2", "rate=40", "mix.succeed=0", "mix.slow=1", "slow_seconds=0.8",
-                 "lease=4", "http_timeout=1.5", "write_margin=1", "recovery=false"]
+    # Slow jobs keep every worker holding leases, so the kill strands some of them; limits
+    # high enough that the stranded leases do not also block their accounts' other jobs.
+    overrides = ["workers=2", "rate=40", "mix.succeed=0", "mix.slow=1", "slow_seconds=0.6",
+                 "lease=3", "http_timeout=1.2", "write_margin=1", "retry_cap=0.5",
+                 "recovery=false", *(f"accounts.{a}=50" for a in ("acme", "globex",
+                                                                   "initech", "umbrella"))]
     result = _run(pg_dsn, tmp_path, "steady", overrides, nemesis=KillOneWorker(after=2.0))
     verdict = result.verdict
     assert verdict.valid is not True
