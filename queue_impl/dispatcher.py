@@ -518,6 +518,15 @@ def run_worker(
 ) -> None:
     """The body of one worker process: open the backend here (after the process started),
     run until SIGTERM or SIGINT, drain, and return."""
+    # A stop requested while the process is still setting up is remembered, not fatal: the
+    # worker then starts, holds nothing, and stops cleanly.
+    early: list[str] = []
+
+    def remember(signum: int, frame: object) -> None:
+        early.append(signal.Signals(signum).name)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, remember)
     try:
         backend = spec.create()
         dispatcher = Dispatcher(backend, config, worker_id, sink)
@@ -529,6 +538,8 @@ def run_worker(
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, dispatcher.request_stop, signal.Signals(signum).name)
+        if early:
+            dispatcher.request_stop(early[0])
         await dispatcher.run()
 
     asyncio.run(main())

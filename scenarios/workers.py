@@ -28,6 +28,7 @@ from queue_impl.dispatcher import (
     validate_worker_count,
 )
 from reports.history import JsonlWriter, WorkerEvent
+from scenarios.errors import HarnessError
 
 _RECORD_FIELDS = ("job_id", "attempt")
 
@@ -75,6 +76,15 @@ def _die_with_parent() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _has_start_event(path: Path) -> bool:
+    try:
+        with path.open("rb") as fh:
+            first = fh.readline()
+    except FileNotFoundError:
+        return False
+    return first.endswith(b"\n") and b'"kind":"start"' in first
+
+
 class WorkerPool:
     """`count` dispatcher processes sharing one backend spec and config."""
 
@@ -98,8 +108,9 @@ class WorkerPool:
     def events_path(self, worker_id: str) -> Path:
         return self.events_dir / f"{worker_id}.jsonl"
 
-    def start(self) -> None:
-        """Start every worker. Calling it again does nothing."""
+    def start(self, timeout: float = 60.0) -> None:
+        """Start every worker and wait until each has written its `start` event, so a stop
+        or a fault that follows finds them running. Calling it again does nothing."""
         if self._processes:
             return
         self.events_dir.mkdir(parents=True, exist_ok=True)
@@ -113,9 +124,28 @@ class WorkerPool:
                 )
                 process.start()
                 self._processes.append(process)
+            self._wait_started(timeout)
         except BaseException:
             self.stop(grace_seconds=0.0)
             raise
+
+    def _wait_started(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        waiting = set(range(len(self._processes)))
+        while waiting:
+            for index in sorted(waiting):
+                if _has_start_event(self.events_path(self.worker_ids[index])):
+                    waiting.discard(index)
+                elif not self._processes[index].is_alive():
+                    raise HarnessError(
+                        f"worker {self.worker_ids[index]} exited while starting "
+                        f"(exit code {self._processes[index].exitcode})"
+                    )
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(self.worker_ids[i] for i in sorted(waiting))
+                raise HarnessError(f"worker(s) {names} did not start within {timeout:g} s")
+            if waiting:
+                time.sleep(0.02)
 
     @property
     def pids(self) -> list[int]:
