@@ -222,9 +222,9 @@ class PgQueue:
     def setup(self) -> None:
         with self._tx(Role.ADMIN) as conn:
             self._run(conn, "setup_lock", {"lock_key": f"skiplock-schema:{self.schema}"})
-            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
-                sql.Identifier(self.schema)
-            ))
+            conn.execute(
+                sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.schema))
+            )
             # A script with no parameters: psycopg sends it as one simple query.
             conn.execute(self._statements["schema"])
 
@@ -452,4 +452,3 @@ def _job_state(row: Mapping[str, Any]) -> JobState:
 
 def _uuid(value: Any) -> uuid.UUID:
     return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
-

@@ -1,0 +1,274 @@
+"""One contract suite over every implementation of QueueBackend: the in-memory model, the
+reference queue, and the variants whose semantics allow each test. Time is pinned and moved
+by the test (`advance`), never slept."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from queue_impl.interface import (
+    Account,
+    AttemptResult,
+    JobState,
+    JobStatus,
+    NewJob,
+    Outcome,
+    QueueBackend,
+    WriteResult,
+)
+from queue_impl.memory import InMemoryQueue
+from queue_impl.pg import PgQueue
+
+pytestmark = pytest.mark.integration
+
+T0 = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
+LEASE = timedelta(seconds=30)
+IMPLEMENTATIONS = ["memory", "pg", "pg-for-update", "pg-long-tx"]
+
+
+@dataclass
+class Clocked:
+    """A queue and the hand that moves its clock."""
+
+    queue: QueueBackend
+    kind: str
+    now: datetime = T0
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+        if isinstance(self.queue, InMemoryQueue):
+            self.queue.advance(seconds)
+        else:
+            assert isinstance(self.queue, PgQueue)
+            self.queue.pin_clock(self.now)
+
+    def state(self, job_id: uuid.UUID) -> JobState:
+        return next(s for s in self.queue.snapshot() if s.job_id == job_id)
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def clocked(request: pytest.FixtureRequest) -> Iterator[Clocked]:
+    kind: str = request.param
+    if kind == "memory":
+        yield Clocked(queue=InMemoryQueue(clock=lambda: T0), kind=kind)
+        return
+    dsn: str = request.getfixturevalue("pg_dsn")
+    schema: str = request.getfixturevalue("fresh_schema")
+    queue = PgQueue(dsn, schema=schema, variant=kind)  # type: ignore[arg-type]
+    queue.setup()
+    queue.pin_clock(T0)
+    try:
+        yield Clocked(queue=queue, kind=kind)
+    finally:
+        queue.close()
+
+
+def skip_for(clocked: Clocked, *kinds: str, why: str) -> None:
+    if clocked.kind in kinds:
+        pytest.skip(f"{clocked.kind}: {why}")
+
+
+def job(account: str = "a", *, max_attempts: int = 3, run_at: datetime | None = None) -> NewJob:
+    return NewJob(
+        id=uuid.uuid4(),
+        account_id=account,
+        target_url="http://127.0.0.1:9/deliver",
+        payload={"n": 1},
+        max_attempts=max_attempts,
+        run_at=run_at,
+    )
+
+
+def ok(lease_result: object) -> None:
+    assert lease_result == [WriteResult.APPLIED]
+
+
+def test_implements_the_protocol(clocked: Clocked) -> None:
+    assert isinstance(clocked.queue, QueueBackend)
+    clocked.queue.setup()  # idempotent
+
+
+def test_claim_leases_due_jobs_oldest_first(clocked: Clocked) -> None:
+    q = clocked.queue
+    jobs = [job(run_at=T0 - timedelta(seconds=10 - i)) for i in range(5)]
+    q.enqueue(list(reversed(jobs)))
+    leases = q.claim("w1", 3, LEASE)
+    assert [lease.job_id for lease in leases] == [j.id for j in jobs[:3]]
+    assert all(lease.attempt == 1 and lease.worker_id == "w1" for lease in leases)
+    assert all(lease.locked_until == T0 + LEASE for lease in leases)
+    assert len({lease.lease_token for lease in leases}) == 3
+    assert leases[0].payload == {"n": 1}
+    rest = q.claim("w2", 10, LEASE)
+    assert {lease.job_id for lease in rest} == {j.id for j in jobs[3:]}
+    assert q.claim("w3", 10, LEASE) == []
+
+
+def test_future_jobs_are_not_due_until_their_time(clocked: Clocked) -> None:
+    q = clocked.queue
+    later = job(run_at=T0 + timedelta(seconds=60))
+    q.enqueue([later])
+    assert q.claim("w", 10, LEASE) == []
+    clocked.advance(60)
+    assert [lease.job_id for lease in q.claim("w", 10, LEASE)] == [later.id]
+
+
+def test_success_completes_and_a_second_write_is_fenced(clocked: Clocked) -> None:
+    q = clocked.queue
+    j = job()
+    q.enqueue([j])
+    [lease] = q.claim("w", 1, LEASE)
+    ok(q.finish([AttemptResult(lease=lease, outcome=Outcome.SUCCESS, http_status=200)]))
+    assert q.finish([AttemptResult(lease=lease, outcome=Outcome.SUCCESS)]) == [WriteResult.FENCED]
+    state = clocked.state(j.id)
+    assert state.status is JobStatus.COMPLETED and state.attempts == 1
+    clocked.advance(3600)
+    assert q.claim("w", 10, LEASE) == []
+    assert q.recover() == 0
+
+
+def test_transient_failure_waits_its_backoff_then_dead_letters(clocked: Clocked) -> None:
+    q = clocked.queue
+    j = job(max_attempts=2)
+    q.enqueue([j])
+    [first] = q.claim("w", 1, LEASE)
+    delay = timedelta(seconds=20)
+    ok(
+        q.finish(
+            [AttemptResult(lease=first, outcome=Outcome.TRANSIENT, error="503", retry_delay=delay)]
+        )
+    )
+    state = clocked.state(j.id)
+    assert state.status is JobStatus.RETRYING
+    assert state.next_attempt_at == T0 + delay and state.last_error == "503"
+    clocked.advance(19)
+    assert q.claim("w", 1, LEASE) == []
+    clocked.advance(1)
+    [second] = q.claim("w", 1, LEASE)
+    assert second.attempt == 2 and second.lease_token != first.lease_token
+    ok(q.finish([AttemptResult(lease=second, outcome=Outcome.TRANSIENT, error="timeout")]))
+    state = clocked.state(j.id)
+    assert state.status is JobStatus.FAILED
+    assert state.attempts == 2 and state.last_error == "timeout"
+
+
+def test_permanent_failure_fails_at_once(clocked: Clocked) -> None:
+    q = clocked.queue
+    j = job(max_attempts=5)
+    q.enqueue([j])
+    [lease] = q.claim("w", 1, LEASE)
+    ok(
+        q.finish(
+            [
+                AttemptResult(
+                    lease=lease, outcome=Outcome.PERMANENT, http_status=400, error="400 Bad Request"
+                )
+            ]
+        )
+    )
+    state = clocked.state(j.id)
+    assert state.status is JobStatus.FAILED and state.last_error == "400 Bad Request"
+
+
+def test_finish_applies_a_batch_in_order(clocked: Clocked) -> None:
+    q = clocked.queue
+    jobs = [job(run_at=T0 - timedelta(seconds=3 - i)) for i in range(3)]
+    q.enqueue(jobs)
+    leases = q.claim("w", 3, LEASE)
+    outcomes = [Outcome.SUCCESS, Outcome.PERMANENT, Outcome.TRANSIENT]
+    written = q.finish(
+        [AttemptResult(lease=lease, outcome=o) for lease, o in zip(leases, outcomes, strict=True)]
+    )
+    assert written == [WriteResult.APPLIED] * 3
+    statuses = [clocked.state(j.id).status for j in jobs]
+    assert statuses == [JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.RETRYING]
+
+
+def test_expired_lease_is_recovered_and_the_stale_worker_fenced(clocked: Clocked) -> None:
+    skip_for(clocked, "pg-long-tx", why="the claim is uncommitted, so there is no lease to expire")
+    q = clocked.queue
+    retry, dead = job(max_attempts=2), job(max_attempts=1)
+    q.enqueue([retry, dead])
+    stale = {lease.job_id: lease for lease in q.claim("old", 2, LEASE)}
+    clocked.advance(LEASE.total_seconds() - 1)
+    assert q.recover() == 0
+    clocked.advance(2)
+    assert q.recover() == 2
+    assert clocked.state(dead.id).status is JobStatus.FAILED
+    assert clocked.state(retry.id).status is JobStatus.RETRYING
+    [fresh] = q.claim("new", 10, LEASE)
+    assert fresh.job_id == retry.id and fresh.attempt == 2
+    assert q.finish([AttemptResult(lease=stale[retry.id], outcome=Outcome.SUCCESS)]) == [
+        WriteResult.FENCED
+    ]
+    assert q.renew([stale[retry.id]], LEASE) == [None]
+    ok(q.finish([AttemptResult(lease=fresh, outcome=Outcome.SUCCESS)]))
+    assert clocked.state(retry.id).status is JobStatus.COMPLETED
+
+
+def test_renew_extends_a_held_lease(clocked: Clocked) -> None:
+    skip_for(clocked, "pg-long-tx", why="the claim is uncommitted, so there is no lease to expire")
+    q = clocked.queue
+    q.enqueue([job()])
+    [lease] = q.claim("w", 1, LEASE)
+    clocked.advance(20)
+    [renewed] = q.renew([lease], LEASE)
+    assert renewed is not None and renewed.locked_until == T0 + timedelta(seconds=20) + LEASE
+    clocked.advance(20)
+    assert q.recover() == 0
+    ok(q.finish([AttemptResult(lease=renewed, outcome=Outcome.SUCCESS)]))
+
+
+def test_release_gives_the_job_back_uncounted(clocked: Clocked) -> None:
+    q = clocked.queue
+    j = job()
+    q.enqueue([j])
+    [lease] = q.claim("w", 1, LEASE)
+    ok(q.release([lease]))
+    state = clocked.state(j.id)
+    assert state.status is JobStatus.PENDING and state.attempts == 0
+    [again] = q.claim("w", 1, LEASE)
+    assert again.attempt == 1 and again.lease_token != lease.lease_token
+    assert q.release([lease]) == [WriteResult.FENCED]
+    ok(q.finish([AttemptResult(lease=again, outcome=Outcome.SUCCESS)]))
+
+
+def test_account_limits_cap_what_is_in_flight(clocked: Clocked) -> None:
+    q = clocked.queue
+    q.upsert_accounts([Account(id="small", concurrency_limit=2), Account(id="free")])
+    q.enqueue([job("small") for _ in range(5)] + [job("free") for _ in range(3)])
+    first = q.claim("w", 10, LEASE)
+    assert sorted(lease.account_id for lease in first) == ["free"] * 3 + ["small"] * 2
+    if clocked.kind != "pg-long-tx":
+        # Long-tx: the next claim shares the open transaction; covered after finish below.
+        assert q.claim("w", 10, LEASE) == []
+    small = [lease for lease in first if lease.account_id == "small"]
+    ok(q.finish([AttemptResult(lease=small[0], outcome=Outcome.SUCCESS)]))
+    second = q.claim("w", 10, LEASE)
+    assert [lease.account_id for lease in second] == ["small"]
+    # (Long-tx: finishing commits the claim, which holds the account row until then.)
+    ok(q.finish([AttemptResult(lease=second[0], outcome=Outcome.SUCCESS)]))
+    # Raising the limit admits more at once.
+    q.upsert_accounts([Account(id="small", concurrency_limit=4)])
+    third = q.claim("w", 10, LEASE)
+    assert [lease.account_id for lease in third] == ["small", "small"]
+
+
+def test_enqueue_is_all_or_nothing(clocked: Clocked) -> None:
+    q = clocked.queue
+    j = job()
+    q.enqueue([j])
+    with pytest.raises(Exception):  # noqa: B017 - each backend raises its own error type
+        q.enqueue([job(), j])
+    assert [s.job_id for s in q.snapshot()] == [j.id]
+
+
+def test_bad_arguments_are_refused(clocked: Clocked) -> None:
+    with pytest.raises(ValueError):
+        clocked.queue.claim("w", 0, LEASE)
+    with pytest.raises(ValueError):
+        clocked.queue.recover(0)

@@ -1,0 +1,125 @@
+"""The in-memory model's basics (the contract suite covers the rest, beside the real queue)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from queue_impl.interface import (
+    Account,
+    AttemptResult,
+    JobStatus,
+    NewJob,
+    Outcome,
+    QueueBackend,
+    WriteResult,
+)
+from queue_impl.memory import InMemoryQueue, factory
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+LEASE = timedelta(seconds=30)
+
+
+def new_job(account: str = "a", *, max_attempts: int = 3, run_at: datetime | None = None) -> NewJob:
+    return NewJob(
+        id=uuid.uuid4(),
+        account_id=account,
+        target_url="http://t/",
+        payload={},
+        max_attempts=max_attempts,
+        run_at=run_at,
+    )
+
+
+def make() -> InMemoryQueue:
+    return InMemoryQueue(clock=lambda: T0)
+
+
+def test_is_a_queue_backend() -> None:
+    assert isinstance(make(), QueueBackend)
+    assert isinstance(factory(dsn=None, schema="x", sql_path=None), InMemoryQueue)
+
+
+def test_clock_advances_only_forward() -> None:
+    q = make()
+    q.advance(1.5)
+    assert q.now() == T0 + timedelta(seconds=1.5)
+    with pytest.raises(ValueError):
+        q.advance(-1)
+
+
+def test_future_jobs_wait_for_their_time() -> None:
+    q = make()
+    q.enqueue([new_job(run_at=T0 + timedelta(seconds=10))])
+    assert q.claim("w", 5, LEASE) == []
+    q.advance(10)
+    [lease] = q.claim("w", 5, LEASE)
+    assert lease.attempt == 1 and lease.locked_until == T0 + timedelta(seconds=10) + LEASE
+
+
+def test_transient_failure_backs_off_then_dead_letters() -> None:
+    q = make()
+    q.enqueue([new_job(max_attempts=2)])
+    [lease] = q.claim("w", 1, LEASE)
+    delay = timedelta(seconds=7)
+    assert q.finish(
+        [AttemptResult(lease=lease, outcome=Outcome.TRANSIENT, error="503", retry_delay=delay)]
+    ) == [WriteResult.APPLIED]
+    [state] = q.snapshot()
+    assert state.status is JobStatus.RETRYING and state.next_attempt_at == T0 + delay
+    assert q.claim("w", 1, LEASE) == []
+    q.advance(7)
+    [lease] = q.claim("w", 1, LEASE)
+    assert lease.attempt == 2
+    q.finish([AttemptResult(lease=lease, outcome=Outcome.TRANSIENT, error="504")])
+    [state] = q.snapshot()
+    assert state.status is JobStatus.FAILED and state.last_error == "504"
+
+
+def test_limits_and_fencing() -> None:
+    q = make()
+    q.upsert_accounts([Account(id="a", concurrency_limit=1)])
+    q.enqueue([new_job("a"), new_job("a"), new_job("b")])
+    leases = q.claim("w", 10, LEASE)
+    assert sorted(lease.account_id for lease in leases) == ["a", "b"]
+    a = next(lease for lease in leases if lease.account_id == "a")
+    q.advance(31)
+    assert q.recover() == 2
+    assert q.finish([AttemptResult(lease=a, outcome=Outcome.SUCCESS)]) == [WriteResult.FENCED]
+    assert [f.operation for f in q.fenced] == ["finish"]
+    assert q.renew([a], LEASE) == [None]
+
+
+def test_release_does_not_count_the_attempt() -> None:
+    q = make()
+    q.enqueue([new_job()])
+    [lease] = q.claim("w", 1, LEASE)
+    assert q.release([lease]) == [WriteResult.APPLIED]
+    [state] = q.snapshot()
+    assert state.status is JobStatus.PENDING and state.attempts == 0
+    assert q.release([lease]) == [WriteResult.FENCED]
+
+
+def test_wait_for_work_wakes_on_enqueue() -> None:
+    q = make()
+    assert q.wait_for_work(0.0) is False
+    timer = threading.Timer(0.05, lambda: q.enqueue([new_job()]))
+    timer.start()
+    try:
+        assert q.wait_for_work(10.0) is True
+    finally:
+        timer.join()
+
+
+def test_bad_arguments() -> None:
+    q = make()
+    with pytest.raises(ValueError):
+        q.claim("w", 0, LEASE)
+    with pytest.raises(ValueError):
+        q.upsert_accounts([Account(id="a", concurrency_limit=0)])
+    job = new_job()
+    with pytest.raises(ValueError):
+        q.enqueue([job, job])

@@ -1,0 +1,103 @@
+"""The named-SQL loader: the reference file parses, and every kind of bad team file is refused
+with one line that names the file and the block."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from queue_impl.sqlfile import (
+    BLOCK_NAMES,
+    REFERENCE_PATH,
+    REQUIRED_PLACEHOLDERS,
+    SqlFileError,
+    load_statements,
+    placeholders,
+    statements_with_overrides,
+)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "team.sql"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_reference_file_defines_every_block_with_its_placeholders() -> None:
+    statements = load_statements(REFERENCE_PATH)
+    assert set(statements) == BLOCK_NAMES
+    for name, text in statements.items():
+        assert REQUIRED_PLACEHOLDERS[name] <= placeholders(text), name
+        assert "-- name:" not in text
+
+
+def test_every_claim_cte_has_a_why_comment() -> None:
+    claim = load_statements(REFERENCE_PATH)["claim"]
+    lines = claim.splitlines()
+    ctes = [i for i, line in enumerate(lines) if line.rstrip().endswith(" AS (")]
+    assert len(ctes) >= 7
+    for i in ctes:
+        assert lines[i - 1].lstrip().startswith("--"), lines[i]
+
+
+def test_override_replaces_by_name_and_falls_back(tmp_path: Path) -> None:
+    path = write(tmp_path, "-- name: recover\n-- mine\nSELECT 0 WHERE %(limit)s > 0;\n")
+    statements = statements_with_overrides(path)
+    assert statements["recover"] == "-- mine\nSELECT 0 WHERE %(limit)s > 0;"
+    assert statements["claim"] == load_statements(REFERENCE_PATH)["claim"]
+    assert statements_with_overrides(None) == load_statements(REFERENCE_PATH)
+
+
+def test_optional_placeholders_are_accepted(tmp_path: Path) -> None:
+    text = (
+        "-- name: release\n"
+        "SELECT unnest(%(ords)s::int[]) AS ord, %(job_ids)s, %(lease_tokens)s, %(workers)s;\n"
+    )
+    assert "release" in load_statements(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("-- name: claimx\nSELECT 1;\n", "unknown block name"),
+        ("-- name: recover\nSELECT 1;\n", "missing placeholder(s) %(limit)s"),
+        ("-- name: recover\nSELECT %(limit)s, %(oops)s;\n", "unknown placeholder(s) %(oops)s"),
+        ("-- name: recover\nSELECT %(limit)s;\n-- name: recover\nSELECT %(limit)s;\n", "twice"),
+        ("", "no '-- name: BLOCK' blocks"),
+        ("-- only a comment\n", "no '-- name: BLOCK' blocks"),
+        ("SELECT 1;\n-- name: recover\nSELECT %(limit)s;\n", "before the first"),
+        ("-- name: recover\n-- nothing here\n", "has no SQL"),
+        ("-- name: recover\nSELECT %(limit)s WHERE 'a' LIKE '5%';\n", "lone '%'"),
+        ("-- name:\nSELECT 1;\n", "without a block name"),
+    ],
+)
+def test_bad_files_are_refused_with_one_line(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(SqlFileError) as info:
+        statements_with_overrides(path)
+    message = str(info.value)
+    assert expected in message
+    assert str(path) in message
+    assert "\n" not in message
+
+
+def test_the_error_names_the_block(tmp_path: Path) -> None:
+    with pytest.raises(SqlFileError, match=r"block 'finish': missing placeholder"):
+        load_statements(write(tmp_path, "-- name: finish\nSELECT %(ords)s;\n"))
+
+
+def test_escaped_percent_is_fine(tmp_path: Path) -> None:
+    text = "-- name: recover\nSELECT %(limit)s WHERE 'a' LIKE '5%%';\n"
+    assert load_statements(write(tmp_path, text))["recover"].endswith("'5%%';")
+
+
+def test_unreadable_files_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(SqlFileError, match="cannot read"):
+        load_statements(tmp_path / "missing.sql")
+    with pytest.raises(SqlFileError, match="cannot read"):
+        load_statements(tmp_path)
+    bad = tmp_path / "latin1.sql"
+    bad.write_bytes(b"-- name: recover\nSELECT '\xff';\n")
+    with pytest.raises(SqlFileError, match="cannot read"):
+        load_statements(bad)
