@@ -1,0 +1,390 @@
+"""`skiplock bench checker --deliveries N`: how long the checker takes on a large history.
+
+It builds a synthetic run directory with N deliveries and the worker events that go with
+them (a realistic mix: most jobs succeed at once, some retry with backoff after 503s, a few
+are dead-lettered by a 400, a few succeed twice because a worker's result write was lost),
+then checks it and prints the seconds spent loading and judging. The result JSON describes
+the machine, versions and git state it was measured on.
+
+`RunBuilder` writes run directories in the schema of `reports.history`; the tests build
+their hand-made histories with it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from reports.checker import check_run
+from reports.history import (
+    DELIVERIES_DIR,
+    ENQUEUES_FILE,
+    FINAL_JOBS_FILE,
+    NEMESIS_FILE,
+    RUN_FILE,
+    SPEC_FILE,
+    WORKERS_DIR,
+    write_json,
+)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _line(record: Mapping[str, Any]) -> str:
+    return json.dumps(record, separators=(",", ":"))
+
+
+class RunBuilder:
+    """Collects the records of a run and writes them as a run directory."""
+
+    def __init__(
+        self,
+        *,
+        http_timeout_seconds: float = 2.0,
+        lease_seconds: float = 10.0,
+        retry_base_seconds: float = 1.0,
+        retry_cap_seconds: float = 60.0,
+        retry_jitter: float = 0.5,
+        account_limits: Mapping[str, int | None] | None = None,
+        drained: bool = True,
+        exit_reason: str = "completed",
+    ) -> None:
+        self.run_info: dict[str, Any] = {
+            "started": 1000.0,
+            "finished": 2000.0,
+            "drained": drained,
+            "drain_seconds": 1.0,
+            "exit_reason": exit_reason,
+            "backend": "pg",
+            "retry_base_seconds": retry_base_seconds,
+            "retry_cap_seconds": retry_cap_seconds,
+            "retry_jitter": retry_jitter,
+            "http_timeout_seconds": http_timeout_seconds,
+            "lease_seconds": lease_seconds,
+            "account_limits": dict(account_limits or {}),
+        }
+        self.enqueues: list[str] = []
+        self.deliveries: dict[str, list[str]] = {"target-0": []}
+        self.workers: dict[str, list[str]] = {}
+        self.faults: list[str] = []
+        self.finals: list[str] = []
+        self._seen: dict[str, int] = {}
+
+    # -- records ----------------------------------------------------------------------------
+
+    def enqueue(
+        self,
+        job_id: str,
+        *,
+        script: Mapping[str, Any] | None = None,
+        max_attempts: int = 3,
+        account: str = "acct-0",
+        time: float = 1000.0,
+        answer: str | None = "ok",
+    ) -> None:
+        """An invoke with the job's oracle, then its answer (None: the producer never
+        heard back)."""
+        self.enqueues.append(_line({
+            "type": "invoke", "job_id": job_id, "time": time, "process": "producer-0",
+            "account": account, "target_url": "http://127.0.0.1:1/deliver",
+            "script": None if script is None else dict(script),
+            "max_attempts": max_attempts, "run_at": None, "error": None,
+        }))
+        if answer is not None:
+            self.enqueues.append(_line({
+                "type": answer, "job_id": job_id, "time": time + 0.001, "process": "producer-0",
+                "error": None if answer == "ok" else "boom",
+            }))
+
+    def deliver(
+        self,
+        job_id: str,
+        *,
+        attempt: int | None,
+        received: float,
+        answered: float | None,
+        status: int | None = 200,
+        worker: str | None = "worker-0",
+        account: str | None = "acct-0",
+        behaviour: str = "ok",
+        target: str = "target-0",
+    ) -> None:
+        seen = self._seen.get(job_id, 0) + 1
+        self._seen[job_id] = seen
+        self.deliveries.setdefault(target, []).append(_line({
+            "job_id": job_id, "attempt": attempt, "account": account, "worker": worker,
+            "target": target, "received": received, "answered": answered,
+            "status": None if answered is None else status, "behaviour": behaviour,
+            "seen": seen, "account_in_flight": 1,
+        }))
+
+    def event(self, kind: str, worker: str, time: float, *, job_id: str | None = None,
+              attempt: int | None = None, **data: Any) -> None:
+        self.workers.setdefault(worker, []).append(_line({
+            "kind": kind, "worker": worker, "time": time, "job_id": job_id,
+            "attempt": attempt, "data": data,
+        }))
+
+    def attempt(
+        self,
+        job_id: str,
+        attempt: int,
+        *,
+        claimed: float,
+        status: int | None = 200,
+        latency: float = 0.01,
+        worker: str = "worker-0",
+        account: str = "acct-0",
+        behaviour: str = "ok",
+        result: str | None = None,
+        write: str | None = "applied",
+        answered: bool = True,
+    ) -> float:
+        """One attempt as a correct dispatcher records it: claim, delivery at the target,
+        HTTP event, result write. Returns the time the write was logged."""
+        lease = float(self.run_info["lease_seconds"])
+        timeout = float(self.run_info["http_timeout_seconds"])
+        self.event("claim", worker, claimed, job_id=job_id, attempt=attempt,
+                   lease_token=f"{job_id}-{attempt}", locked_until=claimed + lease)
+        received = claimed + 0.001
+        got = received + latency if answered else None
+        self.deliver(job_id, attempt=attempt, received=received, answered=got, status=status,
+                     worker=worker, account=account, behaviour=behaviour)
+        if result is None:
+            if got is None or latency >= timeout:
+                result = "timeout"
+            elif status is not None and 200 <= status < 300:
+                result = "ok"
+            else:
+                result = "http_error"
+        end = received + min(latency, timeout) + 0.001
+        self.event("http", worker, end, job_id=job_id, attempt=attempt, start=claimed,
+                   end=end, result=result, status=status if result != "timeout" else None,
+                   error=None)
+        if write is not None:
+            self.event("write", worker, end + 0.002, job_id=job_id, attempt=attempt,
+                       outcome="success" if result == "ok" else "transient", result=write,
+                       error=None)
+        return end + 0.002
+
+    def fault(self, fault: str, start: float, end: float | None, *, target: str | None = None,
+              job_id: str | None = None, attempt: int | None = None,
+              skipped: str | None = None) -> None:
+        self.faults.append(_line({
+            "fault": fault, "start": start, "end": end, "target": target, "job_id": job_id,
+            "attempt": attempt, "skipped": skipped, "data": {},
+        }))
+
+    def final(self, job_id: str, status: str, *, attempts: int = 1, max_attempts: int = 3,
+              account: str = "acct-0") -> None:
+        self.finals.append(_line({
+            "job_id": job_id, "account_id": account, "status": status, "attempts": attempts,
+            "max_attempts": max_attempts, "last_error": None, "locked_until": None,
+            "next_attempt_at": None, "extra": {},
+        }))
+
+    # -- output -----------------------------------------------------------------------------
+
+    def write(self, run_dir: Path, *, nemesis: bool = True) -> Path:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json(run_dir / SPEC_FILE, {"scenario": "synthetic", "seed": 0})
+        write_json(run_dir / RUN_FILE, self.run_info)
+        _write_lines(run_dir / ENQUEUES_FILE, self.enqueues)
+        _write_lines(run_dir / FINAL_JOBS_FILE, self.finals)
+        (run_dir / DELIVERIES_DIR).mkdir(exist_ok=True)
+        for name, lines in self.deliveries.items():
+            _write_lines(run_dir / DELIVERIES_DIR / f"{name}.jsonl", lines)
+        (run_dir / WORKERS_DIR).mkdir(exist_ok=True)
+        for name, lines in self.workers.items():
+            _write_lines(run_dir / WORKERS_DIR / f"{name}.jsonl", lines)
+        if nemesis:
+            _write_lines(run_dir / NEMESIS_FILE, self.faults)
+        return run_dir
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    with path.open("w") as fh:
+        if lines:
+            fh.write("\n".join(lines))
+            fh.write("\n")
+
+
+# --------------------------------------------------------------------------------------------
+# The synthetic history.
+# --------------------------------------------------------------------------------------------
+
+_FAIL_TWICE = {
+    "name": "fail-2x-503",
+    "first": {"behaviour": "status", "status": 503},
+    "times": 2,
+    "then": {"behaviour": "ok"},
+}
+_ALWAYS_400 = {"name": "always-400", "first": {"behaviour": "status", "status": 400},
+               "times": None, "then": {"behaviour": "ok"}}
+_SUCCEED = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None,
+            "then": {"behaviour": "ok"}}
+
+
+def build_synthetic(run_dir: Path, deliveries: int, *, workers: int = 4, accounts: int = 8,
+                    seed: int = 1) -> dict[str, int]:
+    """A fault-free-looking history with about `deliveries` deliveries: 90% of jobs succeed
+    at once, 5% fail twice with 503 and then succeed, 4% answer 400 (dead letter), 1% are
+    delivered twice because the first result write was lost with its connection (explained
+    duplicates). The checker must find it valid."""
+    rng = random.Random(seed)
+    builder = RunBuilder(http_timeout_seconds=2.0, lease_seconds=10.0, retry_base_seconds=0.5,
+                         retry_cap_seconds=30.0, retry_jitter=0.5,
+                         account_limits={f"acct-{a}": None for a in range(accounts)})
+    made = 0
+    job = 0
+    clock = 1_000_000.0
+    mix = {"succeed": 0, "retry": 0, "dead": 0, "duplicate": 0}
+    while made < deliveries:
+        job_id = f"00000000-0000-4000-8000-{job:012d}"
+        job += 1
+        account = f"acct-{job % accounts}"
+        worker = f"worker-{job % workers}"
+        clock += 0.0005
+        roll = rng.random()
+        if roll < 0.90:
+            builder.enqueue(job_id, script=_SUCCEED, account=account, time=clock)
+            builder.attempt(job_id, 1, claimed=clock + 0.01, worker=worker, account=account)
+            builder.final(job_id, "COMPLETED", account=account)
+            made += 1
+            mix["succeed"] += 1
+        elif roll < 0.95:
+            builder.enqueue(job_id, script=_FAIL_TWICE, max_attempts=5, account=account,
+                            time=clock)
+            t = clock + 0.01
+            for attempt in (1, 2):
+                builder.attempt(job_id, attempt, claimed=t, status=503, worker=worker,
+                                account=account, behaviour="status")
+                t += 0.5 * 2 ** (attempt - 1) + 0.05
+            builder.attempt(job_id, 3, claimed=t, worker=worker, account=account)
+            builder.final(job_id, "COMPLETED", attempts=3, max_attempts=5, account=account)
+            made += 3
+            mix["retry"] += 1
+        elif roll < 0.99:
+            builder.enqueue(job_id, script=_ALWAYS_400, account=account, time=clock)
+            builder.attempt(job_id, 1, claimed=clock + 0.01, status=400, worker=worker,
+                            account=account, behaviour="status")
+            builder.final(job_id, "FAILED", account=account)
+            made += 1
+            mix["dead"] += 1
+        else:
+            builder.enqueue(job_id, script=_SUCCEED, account=account, time=clock)
+            builder.attempt(job_id, 1, claimed=clock + 0.01, worker=worker, account=account,
+                            write="info")
+            builder.attempt(job_id, 2, claimed=clock + 10.02, worker=worker, account=account)
+            builder.final(job_id, "COMPLETED", attempts=2, account=account)
+            made += 2
+            mix["duplicate"] += 1
+    builder.write(run_dir)
+    return {"jobs": job, "deliveries": made, **{f"jobs_{k}": v for k, v in mix.items()}}
+
+
+# --------------------------------------------------------------------------------------------
+# Self-description.
+# --------------------------------------------------------------------------------------------
+
+
+def _git() -> dict[str, Any]:
+    def out(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True,
+                                  text=True, timeout=10, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = out("status", "--porcelain")
+    return {"sha": out("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+
+
+def _versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {}
+    for name in ("skiplock", "pandas", "numpy"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def describe() -> dict[str, Any]:
+    return {
+        "machine": {
+            "hostname": platform.node(),
+            "system": platform.system(),
+            "release": platform.release(),
+            "machine": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        },
+        "python": platform.python_version(),
+        "versions": _versions(),
+        "git": _git(),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The command.
+# --------------------------------------------------------------------------------------------
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--deliveries", type=int, default=1_000_000, metavar="N",
+                        help="deliveries in the synthetic history (default %(default)s)")
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE",
+                        help="write the result as JSON here")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="build the run directory here and keep it")
+    parser.add_argument("--seed", type=int, default=1)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.deliveries < 1:
+        print("skiplock: bench checker: --deliveries must be at least 1", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="skiplock-bench-checker-") as tmp:
+        run_dir = args.keep if args.keep is not None else Path(tmp) / "run"
+        print(f"building a synthetic history with {args.deliveries} deliveries ...",
+              flush=True)
+        t0 = time.perf_counter()
+        mix = build_synthetic(run_dir, args.deliveries, seed=args.seed)
+        built = time.perf_counter() - t0
+        size = sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file())
+        verdict = check_run([run_dir])
+    timings = verdict.timings
+    print(f"history: {mix['deliveries']} deliveries, {mix['jobs']} jobs, "
+          f"{verdict.details.get('worker_events', 0)} worker events, {size / 1e6:.0f} MB "
+          f"(built in {built:.1f}s)")
+    print(f"load    {timings['load_seconds']:8.2f} s")
+    print(f"judge   {timings['judge_seconds']:8.2f} s")
+    print(f"total   {timings['total_seconds']:8.2f} s   verdict: {verdict.valid}")
+    result = {
+        "benchmark": "checker",
+        "parameters": {"deliveries": args.deliveries, "seed": args.seed},
+        "history": {**mix, "bytes": size,
+                    "worker_events": verdict.details.get("worker_events")},
+        "seconds": timings,
+        "valid": verdict.valid,
+        "counts": verdict.counts,
+        **describe(),
+    }
+    if args.out is not None:
+        write_json(args.out, result)
+        print(f"result: {args.out}")
+    # The synthetic history is correct: anything but valid is a checker bug.
+    return 0 if verdict.valid is True else 1
