@@ -66,3 +66,23 @@ def test_percentile_picks_from_the_sorted_values() -> None:
     assert bench_queue._percentile(values, 0.5) == 51.0
     assert bench_queue._percentile(values, 0.99) == 99.0
     assert bench_queue._percentile([], 0.5) is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "queue", "--workers", "0"],
+        ["bench", "queue", "--duration", "-1"],
+        ["bench", "queue", "--dsn", "postgresql://u:sekret-pw@127.0.0.1:1/x", "--duration", "1"],
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from scenarios.cli import main
+
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith("skiplock: ")
+    assert "sekret-pw" not in captured.err + captured.out
