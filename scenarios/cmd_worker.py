@@ -8,6 +8,7 @@ what it holds, and exits; none is left behind.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -26,7 +27,7 @@ from queue_impl.dispatcher import (
 )
 from queue_impl.plugins import BackendSpec, validate_backend_name
 from scenarios.errors import HarnessError, UsageError
-from scenarios.provision import postgres
+from scenarios.provision import DSN_ENV, postgres
 from scenarios.workers import WorkerPool
 
 
@@ -132,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
         validate_backend_name(args.backend)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if not (args.dsn or os.environ.get(DSN_ENV)):
+        # Workers serve a queue that producers also reach: a private embedded server would
+        # hold no jobs.
+        raise UsageError(f"worker needs the queue's database: pass --dsn or set {DSN_ENV}")
     if args.sql is not None and not Path(args.sql).is_file():
         raise UsageError(f"--sql {args.sql}: no such file")
 

@@ -89,3 +89,58 @@ def test_retry_policy_follows_the_config() -> None:
 def test_worker_count_must_be_positive(count: int) -> None:
     with pytest.raises(ConfigError, match="worker count must be a positive whole number"):
         validate_worker_count(count)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--workers", "0"], "worker count must be a positive whole number"),
+        (["--workers", "-2"], "worker count must be a positive whole number"),
+        (["--batch", "0"], "batch must be a positive whole number"),
+        (["--lease", "0"], "lease must be a positive number"),
+        (["--lease", "-5"], "lease must be a positive number"),
+        (["--lease", "10", "--http-timeout", "6"], "must be shorter than the lease"),
+        (["--http-timeout", "0"], "HTTP timeout must be a positive number"),
+        (["--backend", "nope"], "unknown backend 'nope'"),
+        (["--allow-target", "127.0.0.1"], "is not HOST:PORT"),
+        (["--allow-target", "host:99999"], "port must be 1-65535"),
+        (["--failpoint", "crash=0.5"], "unknown failpoint"),
+        (["--batch", "many"], "invalid int value"),
+        (["--sql", "/nonexistent/queue.sql"], "no such file"),
+    ],
+)
+def test_worker_command_refuses_bad_values_with_exit_2(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from scenarios.cli import main
+
+    # A DSN that is never connected to: every check here happens before any connection.
+    dsn = "postgresql://skiplock:secret-password@127.0.0.1:1/none"
+    assert main(["worker", "--dsn", dsn, *argv]) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert err.count("\n") == 1
+    assert "secret-password" not in err
+
+
+def test_worker_command_needs_a_database(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from scenarios.cli import main
+
+    monkeypatch.delenv("SKIPLOCK_PG_DSN", raising=False)
+    assert main(["worker"]) == 2
+    assert "pass --dsn or set SKIPLOCK_PG_DSN" in capsys.readouterr().err
+
+
+def test_worker_command_reports_an_unreachable_server_without_its_password(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from scenarios.cli import main
+
+    # Port 1 on loopback: refused at once, nothing leaves the machine.
+    dsn = "postgresql://skiplock:secret-password@127.0.0.1:1/none"
+    assert main(["worker", "--dsn", dsn, "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "secret-password" not in err
+    assert err.count("\n") == 1
