@@ -381,7 +381,16 @@ class PgQueue:
             rows = self._run(conn, "snapshot", {})
         return [_job_state(row) for row in rows]
 
-    # -- observability (tests and reports) ---------------------------------------------
+    # -- observability (tests, reports, chaos) -----------------------------------------
+
+    def backend_pids(self) -> dict[str, int]:
+        """The server process id of each open connection, by role: what a fault injector
+        passes to pg_terminate_backend to cut exactly this queue's sessions."""
+        return {
+            role.value: conn.info.backend_pid
+            for role, conn in list(self._conns.items())
+            if not conn.closed
+        }
 
     def attempts_log(self) -> list[dict[str, Any]]:
         """Every `job_attempts` row: one per execution."""

@@ -1,0 +1,321 @@
+"""The reference queue on a real PostgreSQL, under real concurrency: several processes (via
+`multiprocess`), each opening its own connections after it starts."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import multiprocess
+import psycopg
+import pytest
+from psycopg import sql
+
+from queue_impl.interface import Account, AttemptResult, JobStatus, NewJob, Outcome, WriteResult
+from queue_impl.pg import PgQueue
+from queue_impl.plugins import BackendSpec
+from queue_impl.sqlfile import SqlFileError
+
+pytestmark = pytest.mark.integration
+
+LEASE = timedelta(seconds=60)
+PROCESSES = 4
+
+
+def jobs_for(account: str, n: int, **kw: Any) -> list[NewJob]:
+    return [
+        NewJob(id=uuid.uuid4(), account_id=account, target_url="http://t/", payload={}, **kw)
+        for _ in range(n)
+    ]
+
+
+@pytest.fixture
+def queue(pg_dsn: str, fresh_schema: str) -> Iterator[PgQueue]:
+    q = PgQueue(pg_dsn, schema=fresh_schema)
+    q.setup()
+    try:
+        yield q
+    finally:
+        q.close()
+
+
+def in_processes(target: Any, args: list[tuple[Any, ...]]) -> list[Any]:
+    """Run `target` once per argument tuple, each call in its own process, all at once."""
+    ctx = multiprocess.get_context("spawn")
+    with ctx.Pool(len(args)) as pool:
+        result = pool.starmap_async(target, args)
+        out: list[Any] = result.get(timeout=120)
+    return out
+
+
+# -- process bodies (each builds its queue from a picklable spec, inside the process) -------
+
+
+def claim_until_empty(spec: BackendSpec, worker: str, batch: int) -> list[tuple[str, str]]:
+    queue = spec.create()
+    taken: list[tuple[str, str]] = []
+    try:
+        empty_rounds = 0
+        # A few empty rounds in a row: with SKIP LOCKED an empty answer can mean "all locked".
+        while empty_rounds < 3:
+            leases = queue.claim(worker, batch, LEASE)
+            empty_rounds = 0 if leases else empty_rounds + 1
+            taken.extend((str(lease.job_id), str(lease.lease_token)) for lease in leases)
+    finally:
+        queue.close()
+    return taken
+
+
+def naive_claims(spec: BackendSpec, worker: str, rounds: int) -> int:
+    queue = spec.create()
+    try:
+        return sum(len(queue.claim(worker, 10, LEASE)) for _ in range(rounds))
+    finally:
+        queue.close()
+
+
+def recover_until_empty(spec: BackendSpec) -> int:
+    queue = spec.create()
+    moved = 0
+    try:
+        assert isinstance(queue, PgQueue)
+        queue.pin_clock(datetime.now(UTC) + 2 * LEASE)
+        while (n := queue.recover(limit=7)) > 0:
+            moved += n
+    finally:
+        queue.close()
+    return moved
+
+
+def claim_and_hold(
+    spec: BackendSpec, worker: str, hold_seconds: float
+) -> list[tuple[str, float, float]]:
+    """Claim, 'execute' for a moment, complete; record each job's held interval as seen by
+    this process (inside the queue's own [claim commit, finish commit] window)."""
+    queue = spec.create()
+    intervals: list[tuple[str, float, float]] = []
+    try:
+        idle = 0
+        while idle < 20:
+            leases = queue.claim(worker, 4, LEASE)
+            if not leases:
+                idle += 1
+                queue.wait_for_work(0.01)
+                continue
+            idle = 0
+            start = time.monotonic()
+            time.sleep(hold_seconds)  # stands in for the HTTP call
+            end = time.monotonic()
+            intervals.extend((lease.account_id, start, end) for lease in leases)
+            written = queue.finish(
+                [AttemptResult(lease=lease, outcome=Outcome.SUCCESS) for lease in leases]
+            )
+            assert all(w is WriteResult.APPLIED for w in written)
+    finally:
+        queue.close()
+    return intervals
+
+
+def setup_schema(spec: BackendSpec) -> bool:
+    queue = spec.create()
+    try:
+        queue.setup()
+    finally:
+        queue.close()
+    return True
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+
+def test_concurrent_claimers_never_take_one_job_twice(
+    queue: PgQueue, pg_dsn: str, fresh_schema: str
+) -> None:
+    jobs = jobs_for("a", 300) + jobs_for("b", 300)
+    queue.enqueue(jobs)
+    spec = BackendSpec(name="pg", dsn=pg_dsn, schema=fresh_schema)
+    results = in_processes(claim_until_empty, [(spec, f"w{i}", 5) for i in range(PROCESSES)])
+    claimed = [job_id for per_worker in results for job_id, _ in per_worker]
+    assert len(claimed) == len(set(claimed)) == len(jobs)
+    assert all(per_worker for per_worker in results), "every process should have claimed"
+    assert {s.attempts for s in queue.snapshot()} == {1}
+    assert len(queue.attempts_log()) == len(jobs)
+
+
+def test_naive_variant_really_double_claims(queue: PgQueue, pg_dsn: str, fresh_schema: str) -> None:
+    spec = BackendSpec(name="pg-naive", dsn=pg_dsn, schema=fresh_schema)
+    doubled = 0
+    for _ in range(5):  # bounded: a race, so give it a few rounds to show itself
+        queue.enqueue(jobs_for("a", 400))
+        in_processes(naive_claims, [(spec, f"w{i}", 15) for i in range(PROCESSES)])
+        doubled = sum(1 for s in queue.snapshot() if s.attempts > 1)
+        if doubled:
+            break
+    assert doubled > 0, "pg-naive should hand one job to two workers under concurrency"
+    per_job: dict[uuid.UUID, set[str]] = defaultdict(set)
+    for row in queue.attempts_log():
+        per_job[row["job_id"]].add(row["worker"])
+    assert any(len(workers) > 1 for workers in per_job.values())
+
+
+def test_stale_completion_is_fenced_and_recorded(queue: PgQueue) -> None:
+    now = datetime.now(UTC)
+    queue.pin_clock(now)
+    [job] = jobs_for("a", 1)
+    queue.enqueue([job])
+    [stale] = queue.claim("slow-worker", 1, LEASE)
+    queue.pin_clock(now + LEASE + timedelta(seconds=1))
+    assert queue.recover() == 1
+    [fresh] = queue.claim("other-worker", 1, LEASE)
+    assert fresh.attempt == 2
+    assert queue.finish([AttemptResult(lease=stale, outcome=Outcome.SUCCESS)]) == [
+        WriteResult.FENCED
+    ]
+    [fenced] = queue.fenced_log()
+    assert fenced["job_id"] == job.id and fenced["worker"] == "slow-worker"
+    assert fenced["attempt"] == 1 and fenced["operation"] == "finish"
+    assert fenced["lease_token"] == stale.lease_token
+    assert queue.finish([AttemptResult(lease=fresh, outcome=Outcome.SUCCESS, http_status=200)]) == [
+        WriteResult.APPLIED
+    ]
+    attempts = queue.attempts_log()
+    assert [(a["attempt"], a["worker"], a["outcome"]) for a in attempts] == [
+        (1, "slow-worker", "lease_expired"),
+        (2, "other-worker", "success"),
+    ]
+    assert attempts[1]["http_status"] == 200
+
+
+def test_recovery_from_every_process_moves_each_lease_once(
+    queue: PgQueue, pg_dsn: str, fresh_schema: str
+) -> None:
+    retry = jobs_for("a", 40, max_attempts=3)
+    dead = jobs_for("a", 20, max_attempts=1)
+    queue.enqueue(retry + dead)
+    while queue.claim("crashed", 25, LEASE):
+        pass
+    spec = BackendSpec(name="pg", dsn=pg_dsn, schema=fresh_schema)
+    moved = in_processes(recover_until_empty, [(spec,)] * PROCESSES)
+    assert sum(moved) == 60
+    states = {s.job_id: s for s in queue.snapshot()}
+    assert all(states[j.id].status is JobStatus.RETRYING for j in retry)
+    assert all(states[j.id].status is JobStatus.FAILED for j in dead)
+    assert all("lease expired" in (states[j.id].last_error or "") for j in dead)
+    outcomes = {a["outcome"] for a in queue.attempts_log()}
+    assert outcomes == {"lease_expired"}
+
+
+def test_account_limits_hold_across_processes(
+    queue: PgQueue, pg_dsn: str, fresh_schema: str
+) -> None:
+    limits = {"two": 2, "three": 3}
+    queue.upsert_accounts([Account(id=a, concurrency_limit=n) for a, n in limits.items()])
+    queue.enqueue(jobs_for("two", 30) + jobs_for("three", 30) + jobs_for("free", 30))
+    spec = BackendSpec(name="pg", dsn=pg_dsn, schema=fresh_schema)
+    results = in_processes(claim_and_hold, [(spec, f"w{i}", 0.01) for i in range(PROCESSES)])
+    intervals = [iv for per_worker in results for iv in per_worker]
+    assert len(intervals) == 90
+    for account, limit in limits.items():
+        assert max_overlap([(s, e) for a, s, e in intervals if a == account]) <= limit
+    assert {s.status for s in queue.snapshot()} == {JobStatus.COMPLETED}
+
+
+def max_overlap(intervals: list[tuple[float, float]]) -> int:
+    # Ends sort before starts at the same instant: touching intervals do not overlap.
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    best = current = 0
+    for _, step in events:
+        current += step
+        best = max(best, current)
+    return best
+
+
+def test_setup_from_many_processes_at_once(pg_dsn: str, fresh_schema: str) -> None:
+    spec = BackendSpec(name="pg", dsn=pg_dsn, schema=fresh_schema)
+    assert in_processes(setup_schema, [(spec,)] * PROCESSES) == [True] * PROCESSES
+
+
+def test_notify_wakes_a_waiting_worker(queue: PgQueue, pg_dsn: str, fresh_schema: str) -> None:
+    assert queue.wait_for_work(0.05) is False
+    producer = PgQueue(pg_dsn, schema=fresh_schema)
+    try:
+        producer.enqueue(jobs_for("a", 2))
+    finally:
+        producer.close()
+    assert queue.wait_for_work(30) is True
+
+
+def test_lost_connection_is_reopened_on_the_next_call(queue: PgQueue, pg_dsn: str) -> None:
+    queue.enqueue(jobs_for("a", 2))
+    assert len(queue.claim("w", 1, LEASE)) == 1
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [queue.backend_pids()["lease"]])
+    with pytest.raises(psycopg.OperationalError):
+        queue.claim("w", 1, LEASE)
+    assert len(queue.claim("w", 1, LEASE)) == 1
+
+
+def test_long_tx_crash_rolls_the_claim_back(queue: PgQueue, pg_dsn: str, fresh_schema: str) -> None:
+    queue.enqueue(jobs_for("a", 3))
+    holder = PgQueue(pg_dsn, schema=fresh_schema, variant="pg-long-tx")
+    assert len(holder.claim("w", 3, LEASE)) == 3
+    # While the transaction is open, the claim is invisible and its rows are skipped.
+    assert {s.status for s in queue.snapshot()} == {JobStatus.PENDING}
+    assert queue.claim("other", 3, LEASE) == []
+    holder.close()  # the process dies: its open transaction rolls back
+    assert {(s.status, s.attempts) for s in queue.snapshot()} == {(JobStatus.PENDING, 0)}
+    assert len(queue.claim("other", 3, LEASE)) == 3
+
+
+def test_team_sql_file_replaces_blocks(pg_dsn: str, fresh_schema: str, tmp_path: Path) -> None:
+    path = tmp_path / "team.sql"
+    path.write_text("-- name: recover\nSELECT 42 WHERE %(limit)s > 0;\n", encoding="utf-8")
+    q = PgQueue(pg_dsn, schema=fresh_schema, sql=path)
+    try:
+        q.setup()
+        assert q.recover() == 42
+    finally:
+        q.close()
+    path.write_text("-- name: recover\nSELECT 1;\n", encoding="utf-8")
+    with pytest.raises(SqlFileError, match="missing placeholder"):
+        PgQueue(pg_dsn, schema=fresh_schema, sql=path)
+
+
+def test_partial_indexes_serve_the_claim_and_recovery(queue: PgQueue, pg_dsn: str) -> None:
+    """A realistic table: mostly finished jobs, a backlog of pending, some retrying and in
+    flight. The planner picks each partial index on its own (no enable_seqscan=off)."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(queue.schema)))
+        conn.execute("INSERT INTO accounts (id, concurrency_limit) VALUES ('a', NULL), ('l', 5)")
+        conn.execute(
+            """
+            INSERT INTO jobs (id, account_id, target_url, payload, status, run_at,
+                next_attempt_at, attempts, locked_until, lease_token)
+            SELECT gen_random_uuid(), CASE WHEN i % 10 = 0 THEN 'l' ELSE 'a' END, 'http://t/',
+                '{}', s.status, now() - interval '1 minute' + (i % 600) * interval '1 second',
+                CASE WHEN s.status = 'RETRYING' THEN now() + (i % 120) * interval '1 second' END,
+                CASE WHEN s.status = 'PENDING' THEN 0 ELSE 1 END,
+                CASE WHEN s.status = 'PROCESSING' THEN now() + (i % 60) * interval '1 second' END,
+                CASE WHEN s.status = 'PROCESSING' THEN gen_random_uuid() END
+            FROM generate_series(1, 40000) AS i
+            CROSS JOIN LATERAL (SELECT CASE
+                WHEN i % 100 < 80 THEN 'COMPLETED' WHEN i % 100 < 85 THEN 'FAILED'
+                WHEN i % 100 < 93 THEN 'PENDING' WHEN i % 100 < 97 THEN 'RETRYING'
+                ELSE 'PROCESSING' END AS status) AS s
+            """
+        )
+        conn.execute("ANALYZE jobs")
+        conn.execute("ANALYZE accounts")
+    params = {"locked_accounts": ["l"], "batch": 10, "lease": LEASE, "worker_id": "w"}
+    claim_plan = "\n".join(queue.explain("claim", params))
+    for index in ("jobs_pending", "jobs_retrying", "jobs_processing_account"):
+        assert index in claim_plan, claim_plan
+    assert "Seq Scan on jobs" not in claim_plan, claim_plan
+    recover_plan = "\n".join(queue.explain("recover", {"limit": 100}))
+    assert "jobs_processing_lease" in recover_plan, recover_plan
+    assert "Seq Scan on jobs" not in recover_plan, recover_plan
