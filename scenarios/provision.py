@@ -530,8 +530,13 @@ class _Docker(_Control):
         self.container = PostgresContainer(DOCKER_IMAGE, password=uuid.uuid4().hex, driver=None)
         if command:
             self.container.with_command(f"postgres {command}")
-        self.container.start()
-        self.dsn = self._dsn()
+        try:
+            self.container.start()
+            self.dsn = self._dsn()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.container.stop()
+            raise
 
     def _dsn(self) -> str:
         return str(self.container.get_connection_url(driver=None))
@@ -610,50 +615,51 @@ def postgres(
     external server runs with its own settings, which `PgServer.settings()` reports.
     """
     source, given = choose_source(dsn, docker_probe)
+    if source == "dsn":
+        assert given is not None
+        check_reachable(given)
+        yield PgServer(dsn=given, kind="dsn", owned=False, durable=durable)
+        return
     extra = dict(settings or {})
+    with _exit_on_sigterm():
+        control, kind = _start_owned(source, durable=durable, settings=extra)
+        try:
+            yield PgServer(
+                dsn=control.dsn, kind=kind, owned=True, durable=durable, _control=control
+            )
+        finally:
+            control.close()
+
+
+def _start_owned(
+    source: Source, *, durable: bool, settings: Mapping[str, str]
+) -> tuple[_Control, ServerKind]:
+    """Start a container, or the embedded server; a container that fails to start (an
+    engine with no access to the image registry, say) falls back to the embedded server."""
+    docker_note = "no Docker engine answered"
     match source:
-        case "dsn":
-            assert given is not None
-            check_reachable(given)
-            yield PgServer(dsn=given, kind="dsn", owned=False, durable=durable)
-            return
         case "docker":
-            with _exit_on_sigterm():
-                control: _Control = _Docker(durable=durable, settings=extra)
-                try:
-                    yield PgServer(
-                        dsn=control.dsn,
-                        kind="docker",
-                        owned=True,
-                        durable=durable,
-                        _control=control,
-                    )
-                finally:
-                    control.close()
-            return
-        case "embedded":
-            with _exit_on_sigterm():
-                try:
-                    control = _start_embedded(durable=durable, settings=extra)
-                except (HarnessError, OSError, subprocess.SubprocessError) as exc:
-                    raise HarnessError(
-                        f"no PostgreSQL: no --dsn or {DSN_ENV} given, no Docker engine answered, "
-                        f"and the embedded server failed ({_scrub(str(exc), '')}); "
-                        f"pass --dsn or set {DSN_ENV} to a reachable server"
-                    ) from None
-                try:
-                    yield PgServer(
-                        dsn=control.dsn,
-                        kind="embedded",
-                        owned=True,
-                        durable=durable,
-                        _control=control,
-                    )
-                finally:
-                    control.close()
-            return
+            try:
+                return _Docker(durable=durable, settings=settings), "docker"
+            except Exception as exc:
+                reason = _scrub(str(exc), "")[:200]
+                docker_note = f"the Docker container failed ({reason})"
+                print(
+                    f"skiplock: {docker_note}; using the embedded server instead",
+                    file=sys.stderr,
+                )
+        case "embedded" | "dsn":
+            pass
         case _:
             assert_never(source)
+    try:
+        return _start_embedded(durable=durable, settings=settings), "embedded"
+    except (HarnessError, OSError, subprocess.SubprocessError) as exc:
+        raise HarnessError(
+            f"no PostgreSQL: no --dsn or {DSN_ENV} given, {docker_note}, "
+            f"and the embedded server failed ({_scrub(str(exc), '')}); "
+            f"pass --dsn or set {DSN_ENV} to a reachable server"
+        ) from None
 
 
 @contextmanager

@@ -157,3 +157,28 @@ def test_stale_data_dirs_of_dead_harnesses_are_swept(tmp_path: Path) -> None:
     provision._sweep_stale(tmp)
     assert not dead.exists()
     assert alive.exists()
+
+
+def test_failed_container_falls_back_to_embedded(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv(DSN_ENV, raising=False)
+
+    def no_image(**_: object) -> provision._Control:
+        raise RuntimeError("pull access denied for postgres")
+
+    class FakeEmbedded(provision._Control):
+        dsn = "postgresql://postgres@127.0.0.1:5998/postgres"
+        closed = False
+
+        def close(self) -> None:
+            FakeEmbedded.closed = True
+
+    monkeypatch.setattr(provision, "_Docker", no_image)
+    monkeypatch.setattr(provision, "_start_embedded", lambda **_: FakeEmbedded())
+    with postgres(docker_probe=_docker_yes) as server:
+        assert server.kind == "embedded"
+    assert FakeEmbedded.closed
+    err = capsys.readouterr().err
+    assert "pull access denied" in err
+    assert err.count("\n") == 1
