@@ -58,7 +58,11 @@ def _children() -> set[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+        if int(fields[1]) != os.getpid() or fields[0] == "Z":
+            continue
+        cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        # multiprocessing's resource tracker lives as long as this process, by design.
+        if "resource_tracker" not in cmdline:
             found.add(int(entry.name))
     return found
 
