@@ -1,0 +1,744 @@
+"""The checker on hand-built histories: every anomaly kind, explained duplicates for every
+fault kind, histories that must pass, and histories that cannot decide.
+
+Unless a test says otherwise: HTTP timeout 2 s, lease 10 s, backoff base 1 s with jitter 0.5
+(so the shortest retry waits are 0.5 s, 1 s, 2 s ...), tolerance 0.25 s.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reports.bench_checker import RunBuilder, build_synthetic
+from reports.checker import COUNT_KEYS, VIOLATION_KEYS, Verdict, check_run, write_verdict
+from reports.history import HistoryError
+
+SUCCEED: dict[str, Any] = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None,
+                           "then": {"behaviour": "ok"}}
+
+
+def script(first: dict[str, Any], times: int | None = None) -> dict[str, Any]:
+    return {"name": "custom", "first": first, "times": times, "then": {"behaviour": "ok"}}
+
+
+FAIL_ONCE = script({"behaviour": "status", "status": 503}, 1)
+FAIL_TWICE = script({"behaviour": "status", "status": 503}, 2)
+ALWAYS_503 = script({"behaviour": "status", "status": 503})
+ALWAYS_400 = script({"behaviour": "status", "status": 400})
+ALWAYS_HANG = script({"behaviour": "hang", "seconds": 5.0})
+SLOW = script({"behaviour": "slow", "seconds": 0.5})
+RESET_ONCE = script({"behaviour": "reset"}, 1)
+
+JOB = "job-1"
+
+
+def check(builder: RunBuilder, tmp_path: Path, **kwargs: Any) -> Verdict:
+    return check_run([builder.write(tmp_path / "run", **kwargs)])
+
+
+def anomalies(verdict: Verdict) -> dict[str, int]:
+    """The non-zero counts that are not plain totals."""
+    totals = {"enqueued", "delivered", "completed", "failed"}
+    return {k: v for k, v in verdict.counts.items() if v and k not in totals}
+
+
+def whys(verdict: Verdict, kind: str) -> list[str]:
+    return [e["why"] for e in verdict.examples.get(kind, [])]
+
+
+def succeed_once(b: RunBuilder, job: str, at: float, **kw: Any) -> None:
+    b.enqueue(job, script=SUCCEED, time=at - 0.5, account=kw.get("account", "acct-0"))
+    b.attempt(job, 1, claimed=at, **kw)
+    b.final(job, "COMPLETED", account=kw.get("account", "acct-0"))
+
+
+# --------------------------------------------------------------------------------------------
+# Histories that must pass.
+# --------------------------------------------------------------------------------------------
+
+
+def test_fault_free_run_is_valid(tmp_path: Path) -> None:
+    b = RunBuilder(account_limits={"acct-0": 2, "acct-1": None})
+    succeed_once(b, "a", 100.0)
+    succeed_once(b, "b", 100.0, worker="worker-1")
+    succeed_once(b, "c", 101.0, account="acct-1")
+    verdict = check(b, tmp_path)
+    assert verdict.valid is True
+    assert verdict.exit_code == 0
+    assert set(verdict.counts) == set(COUNT_KEYS)
+    assert verdict.counts["enqueued"] == 3
+    assert verdict.counts["delivered"] == 3
+    assert verdict.counts["completed"] == 3
+    assert anomalies(verdict) == {}
+    assert verdict.examples == {}
+
+
+def test_faulty_scripts_with_correct_retries_and_dead_letters_pass(tmp_path: Path) -> None:
+    b = RunBuilder()
+    # 503 twice, then 200: retries after 0.5 s and 1 s at least.
+    b.enqueue("retry", script=FAIL_TWICE, max_attempts=5)
+    b.attempt("retry", 1, claimed=100.0, status=503, behaviour="status")
+    b.attempt("retry", 2, claimed=100.7, status=503, behaviour="status")
+    b.attempt("retry", 3, claimed=101.9)
+    b.final("retry", "COMPLETED", attempts=3, max_attempts=5)
+    # 400: dead-lettered at once.
+    b.enqueue("perm", script=ALWAYS_400)
+    b.attempt("perm", 1, claimed=100.0, status=400, behaviour="status")
+    b.final("perm", "FAILED")
+    # 503 for ever: dead-lettered at max_attempts.
+    b.enqueue("dead", script=ALWAYS_503, max_attempts=3)
+    b.attempt("dead", 1, claimed=100.0, status=503, behaviour="status")
+    b.attempt("dead", 2, claimed=100.6, status=503, behaviour="status")
+    b.attempt("dead", 3, claimed=101.7, status=503, behaviour="status")
+    b.final("dead", "FAILED", attempts=3)
+    # Slow inside the timeout: a success.
+    b.enqueue("slow", script=SLOW)
+    b.attempt("slow", 1, claimed=100.0, latency=0.5, behaviour="slow")
+    b.final("slow", "COMPLETED")
+    # A reset, then 200.
+    b.enqueue("reset", script=RESET_ONCE)
+    b.attempt("reset", 1, claimed=100.0, answered=False, behaviour="reset",
+              result="connection_error")
+    b.attempt("reset", 2, claimed=100.6)
+    b.final("reset", "COMPLETED", attempts=2)
+    # Hangs past the timeout every time: the target answers 200 late (duplicates the timeout
+    # explains) and the job is dead-lettered.
+    b.enqueue("hang", script=ALWAYS_HANG, max_attempts=3)
+    b.attempt("hang", 1, claimed=100.0, latency=5.0, behaviour="hang")
+    b.attempt("hang", 2, claimed=102.6, latency=5.0, behaviour="hang")
+    b.attempt("hang", 3, claimed=105.2, latency=5.0, behaviour="hang")
+    b.final("hang", "FAILED", attempts=3)
+    verdict = check(b, tmp_path)
+    assert verdict.valid is True, verdict.examples
+    assert verdict.counts["enqueued"] == 6
+    assert verdict.counts["delivered"] == 13
+    assert verdict.counts["completed"] == 3
+    assert verdict.counts["failed"] == 3
+    assert anomalies(verdict) == {"duplicate_explained": 2}
+    assert all("HTTP timeout" in why for why in whys(verdict, "duplicate_explained"))
+    assert {e["job_id"] for e in verdict.examples["duplicate_explained"]} == {"hang"}
+
+
+def test_synthetic_benchmark_history_is_valid(tmp_path: Path) -> None:
+    mix = build_synthetic(tmp_path / "run", 3000, seed=7)
+    verdict = check_run([tmp_path / "run"])
+    assert verdict.valid is True, verdict.examples
+    assert verdict.counts["delivered"] == mix["deliveries"]
+    assert verdict.counts["duplicate_explained"] == mix["jobs_duplicate"]
+    assert verdict.counts["failed"] == mix["jobs_dead"]
+
+
+# --------------------------------------------------------------------------------------------
+# Explained duplicates: one per fault kind that can cause a redelivery.
+# --------------------------------------------------------------------------------------------
+
+
+def _redelivered(b: RunBuilder, *, first_write: str | None, result: str | None = None,
+                 latency: float = 0.01) -> None:
+    """Attempt 1 by worker-0 reaches the target with 200 but its result is not applied;
+    the lease expires and worker-1 delivers attempt 2."""
+    b.enqueue(JOB, script=SUCCEED)
+    b.attempt(JOB, 1, claimed=100.0, worker="worker-0", write=first_write, result=result,
+              latency=latency)
+    b.attempt(JOB, 2, claimed=110.5, worker="worker-1")
+    b.final(JOB, "COMPLETED", attempts=2)
+
+
+@pytest.mark.parametrize(
+    ("fault", "start", "end", "target", "needle"),
+    [
+        ("kill_worker", 100.2, None, "worker-0", "kill_worker on worker-0"),
+        ("pause_worker", 100.05, 111.0, "worker-0", "pause_worker on worker-0"),
+        ("crash_after_http", 100.02, None, "worker-0", "crash_after_http on worker-0"),
+        ("crash_after_claim", 100.03, None, "worker-0", "crash_after_claim on worker-0"),
+        ("terminate_backends", 100.02, None, "postgres", "terminate_backends"),
+        ("restart_postgres", 100.02, 104.0, "postgres", "restart_postgres"),
+        ("exhaust_pool", 99.0, 105.0, None, "exhaust_pool"),
+        ("hang_target", 100.0, 103.0, "target-0", "hang_target on target-0"),
+    ],
+)
+def test_duplicate_explained_by_each_fault(tmp_path: Path, fault: str, start: float,
+                                           end: float | None, target: str | None,
+                                           needle: str) -> None:
+    b = RunBuilder()
+    _redelivered(b, first_write=None)
+    b.fault(fault, start, end, target=target)
+    verdict = check(b, tmp_path)
+    assert verdict.valid is True, verdict.examples
+    assert anomalies(verdict) == {"duplicate_explained": 1}
+    assert needle in whys(verdict, "duplicate_explained")[0]
+
+
+def test_duplicate_explained_by_failpoint_naming_the_job(tmp_path: Path) -> None:
+    b = RunBuilder()
+    _redelivered(b, first_write=None)
+    b.event("failpoint", "worker-0", 100.02, job_id=JOB, attempt=1, name="crash_after_http")
+    b.fault("crash_after_http", 100.02, None, target="worker-0", job_id=JOB, attempt=1)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"duplicate_explained": 1}
+    assert whys(verdict, "duplicate_explained") == [
+        "failpoint crash_after_http fired in worker-0 at 100.020 for attempt 1"]
+
+
+def test_duplicate_explained_by_failpoint_of_a_batch_mate(tmp_path: Path) -> None:
+    b = RunBuilder()
+    _redelivered(b, first_write=None)
+    b.enqueue("other", script=SUCCEED, answer=None)
+    b.event("failpoint", "worker-0", 100.05, job_id="other", attempt=1,
+            name="crash_after_claim")
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"duplicate_explained": 1}
+    assert whys(verdict, "duplicate_explained")[0].startswith(
+        "failpoint crash_after_claim ended worker-0 at 100.050")
+
+
+def test_duplicate_explained_by_lost_write_connection(tmp_path: Path) -> None:
+    b = RunBuilder()
+    _redelivered(b, first_write="info")
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"duplicate_explained": 1}
+    assert "connection lost during the result write of attempt 1" in whys(
+        verdict, "duplicate_explained")[0]
+
+
+def test_duplicate_explained_by_late_answer(tmp_path: Path) -> None:
+    b = RunBuilder()
+    _redelivered(b, first_write="applied", latency=3.0)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"duplicate_explained": 1}
+    assert whys(verdict, "duplicate_explained")[0].startswith("HTTP timeout")
+
+
+def test_duplicate_explained_by_worker_error_stop(tmp_path: Path) -> None:
+    b = RunBuilder()
+    _redelivered(b, first_write=None)
+    b.event("stop", "worker-0", 100.5, reason="error: OperationalError: gone")
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"duplicate_explained": 1}
+    assert "error stop" in whys(verdict, "duplicate_explained")[0]
+
+
+@pytest.mark.parametrize(
+    ("fault", "skipped"),
+    [
+        ("pin_xmin", None),  # holding back xmin loses no write
+        ("restart_postgres", "server is external"),  # never applied
+    ],
+)
+def test_faults_that_explain_nothing(tmp_path: Path, fault: str, skipped: str | None) -> None:
+    b = RunBuilder()
+    _redelivered(b, first_write=None)
+    b.fault(fault, 99.0, 120.0, target="postgres", skipped=skipped)
+    verdict = check(b, tmp_path)
+    assert verdict.valid is False
+    assert anomalies(verdict) == {"duplicate_unexplained": 1}
+
+
+def test_fault_on_another_worker_or_outside_the_window_explains_nothing(
+        tmp_path: Path) -> None:
+    b = RunBuilder()
+    _redelivered(b, first_write=None)
+    b.fault("kill_worker", 100.2, None, target="worker-7")
+    b.fault("kill_worker", 50.0, None, target="worker-0")
+    b.fault("terminate_backends", 130.0, None, target="postgres")
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"duplicate_unexplained": 1}
+
+
+# --------------------------------------------------------------------------------------------
+# One anomaly at a time.
+# --------------------------------------------------------------------------------------------
+
+
+def test_lost_never_delivered_and_absent(tmp_path: Path) -> None:
+    b = RunBuilder()
+    succeed_once(b, "ok", 100.0)
+    b.enqueue("gone", script=SUCCEED)
+    verdict = check(b, tmp_path)
+    assert verdict.valid is False
+    assert verdict.exit_code == 1
+    assert anomalies(verdict) == {"lost": 1}
+    assert verdict.examples["lost"] == [{
+        "job_id": "gone",
+        "why": "enqueue acknowledged, never delivered with 2xx, absent from the final states",
+    }]
+
+
+def test_lost_completed_without_delivery_is_also_a_state_mismatch(tmp_path: Path) -> None:
+    b = RunBuilder()
+    b.enqueue("ghost", script=SUCCEED)
+    b.final("ghost", "COMPLETED")
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"lost": 1, "state_mismatch": 1}
+    assert whys(verdict, "state_mismatch") == ["COMPLETED but the target never answered 2xx"]
+
+
+def test_unknown_enqueue_never_delivered_is_not_lost(tmp_path: Path) -> None:
+    b = RunBuilder()
+    b.enqueue("maybe", script=SUCCEED, answer="info")
+    b.enqueue("never-answered", script=SUCCEED, answer=None)
+    b.enqueue("refused", script=SUCCEED, answer="fail")
+    verdict = check(b, tmp_path)
+    assert verdict.valid is True
+    assert verdict.counts["enqueued"] == 0
+    assert verdict.details["enqueue_unknown"] == 2
+    assert verdict.details["enqueue_failed"] == 1
+
+
+def test_unexpected_deliveries(tmp_path: Path) -> None:
+    b = RunBuilder()
+    succeed_once(b, "ok", 100.0)
+    b.deliver("stranger", attempt=1, received=100.0, answered=100.01)
+    b.enqueue("refused", script=SUCCEED, answer="fail")
+    b.deliver("refused", attempt=1, received=100.0, answered=100.01)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"unexpected": 2}
+    assert verdict.examples["unexpected"] == [
+        {"job_id": "stranger", "why": "delivered but never enqueued (target target-0)"},
+        {"job_id": "refused", "why": "delivered although its enqueue failed (target target-0)"},
+    ]
+
+
+def test_duplicate_unexplained(tmp_path: Path) -> None:
+    b = RunBuilder()
+    _redelivered(b, first_write="applied")
+    verdict = check(b, tmp_path)
+    assert verdict.valid is False
+    assert anomalies(verdict) == {"duplicate_unexplained": 1}
+    assert whys(verdict, "duplicate_unexplained") == [
+        "2xx delivered again at 110.501 with nothing recorded to explain the redelivery of "
+        "attempt 1"]
+
+
+def test_concurrent_deliveries_of_a_double_claim(tmp_path: Path) -> None:
+    """What a queue without row locks does: two workers run attempt 1 at once."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED)
+    b.attempt(JOB, 1, claimed=100.0, worker="worker-0", latency=0.5)
+    b.attempt(JOB, 1, claimed=100.1, worker="worker-1", latency=0.5)
+    b.final(JOB, "COMPLETED")
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"concurrent_delivery": 1, "duplicate_unexplained": 1}
+    assert whys(verdict, "concurrent_delivery") == [
+        "delivery at 100.101 (attempt 1) while attempt 1 from 100.001 was still in flight "
+        "with its lease held"]
+
+
+def test_concurrent_delivery_alone(tmp_path: Path) -> None:
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED)
+    b.attempt(JOB, 1, claimed=100.0, worker="worker-0", latency=0.5)
+    b.attempt(JOB, 1, claimed=100.1, worker="worker-1", status=503, behaviour="status",
+              write="fenced")
+    b.final(JOB, "COMPLETED")
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"concurrent_delivery": 1}
+
+
+def test_overlap_after_an_expired_lease_is_not_concurrent(tmp_path: Path) -> None:
+    """Attempt 1 hangs past its lease (unsafe timing); attempt 2 after the lease is fine."""
+    b = RunBuilder(http_timeout_seconds=30.0, lease_seconds=10.0)
+    b.enqueue(JOB, script=SUCCEED)
+    b.attempt(JOB, 1, claimed=100.0, worker="worker-0", latency=15.0, write="fenced")
+    b.attempt(JOB, 2, claimed=110.5, worker="worker-1", status=503, behaviour="status")
+    b.attempt(JOB, 3, claimed=111.5, worker="worker-1", status=400, behaviour="status")
+    b.final(JOB, "COMPLETED", attempts=3)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {}
+
+
+def test_attempts_exceeded(tmp_path: Path) -> None:
+    b = RunBuilder()
+    b.enqueue("over", script=ALWAYS_503, max_attempts=2)
+    b.attempt("over", 1, claimed=100.0, status=503, behaviour="status")
+    b.attempt("over", 2, claimed=100.6, status=503, behaviour="status")
+    b.attempt("over", 3, claimed=101.7, status=503, behaviour="status")
+    b.final("over", "FAILED", attempts=3, max_attempts=2)
+    b.enqueue("again", script=ALWAYS_400, max_attempts=3)
+    b.attempt("again", 1, claimed=100.0, status=400, behaviour="status")
+    b.attempt("again", 2, claimed=101.0, status=400, behaviour="status")
+    b.final("again", "FAILED", attempts=2)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"attempts_exceeded": 2}
+    assert verdict.examples["attempts_exceeded"] == [
+        {"job_id": "over", "why": "3 deliveries (0 explained) for max_attempts 2"},
+        {"job_id": "again",
+         "why": "delivered again at 101.001 after attempt 1 failed permanently (status 400)"},
+    ]
+
+
+def test_explained_redeliveries_do_not_exceed_attempts(tmp_path: Path) -> None:
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED, max_attempts=1)
+    b.attempt(JOB, 1, claimed=100.0, worker="worker-0", write="info")
+    b.attempt(JOB, 1, claimed=110.5, worker="worker-1")
+    b.final(JOB, "COMPLETED", max_attempts=1)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"duplicate_explained": 1}
+
+
+def test_early_retry(tmp_path: Path) -> None:
+    b = RunBuilder()
+    b.enqueue(JOB, script=FAIL_ONCE)
+    b.attempt(JOB, 1, claimed=100.0, status=503, behaviour="status")
+    b.attempt(JOB, 2, claimed=100.1)
+    b.final(JOB, "COMPLETED", attempts=2)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"early_retry": 1}
+    assert whys(verdict, "early_retry") == [
+        "retry at 100.101 came 0.090s after attempt 1 failed; the backoff allows no less "
+        "than 0.500s"]
+
+
+def test_early_retry_uses_the_attempt_number(tmp_path: Path) -> None:
+    """After the second failure the wait is at least 1 s: 0.7 s is early."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=FAIL_TWICE, max_attempts=5)
+    b.attempt(JOB, 1, claimed=100.0, status=503, behaviour="status")
+    b.attempt(JOB, 2, claimed=100.6, status=503, behaviour="status")
+    b.attempt(JOB, 3, claimed=101.3)
+    b.final(JOB, "COMPLETED", attempts=3, max_attempts=5)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"early_retry": 1}
+
+
+def test_retry_after_an_expired_lease_is_due_at_once(tmp_path: Path) -> None:
+    """Backoff would be 15 s, but the worker died without writing: recovery makes the job
+    due when the 10 s lease runs out."""
+    b = RunBuilder(retry_base_seconds=30.0, retry_cap_seconds=60.0)
+    b.enqueue(JOB, script=FAIL_ONCE)
+    b.attempt(JOB, 1, claimed=100.0, status=503, behaviour="status", write=None)
+    b.attempt(JOB, 2, claimed=110.5, worker="worker-1")
+    b.final(JOB, "COMPLETED", attempts=2)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {}
+
+
+def test_limit_exceeded(tmp_path: Path) -> None:
+    b = RunBuilder(account_limits={"acct-0": 1, "acct-1": None})
+    for name, at in (("a", 100.0), ("b", 100.1)):
+        b.enqueue(name, script=SUCCEED)
+        b.attempt(name, 1, claimed=at, latency=0.5, worker=f"w-{name}")
+        b.final(name, "COMPLETED")
+    for name in ("c", "d"):  # unlimited account: any overlap is fine
+        b.enqueue(name, script=SUCCEED, account="acct-1")
+        b.attempt(name, 1, claimed=100.0, latency=0.5, account="acct-1")
+        b.final(name, "COMPLETED", account="acct-1")
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"limit_exceeded": 1}
+    assert verdict.examples["limit_exceeded"] == [
+        {"job_id": "b", "why": "account acct-0 had 2 deliveries in flight at 100.101, limit 1"}]
+
+
+def test_abandoned_delivery_frees_its_slot(tmp_path: Path) -> None:
+    """A delivery the worker gave up on (timeout) holds no slot, though the target is
+    still busy with it."""
+    b = RunBuilder(account_limits={"acct-0": 1})
+    b.enqueue("slowpoke", script=ALWAYS_HANG, max_attempts=1)
+    b.attempt("slowpoke", 1, claimed=100.0, latency=5.0, behaviour="hang")
+    b.final("slowpoke", "FAILED")
+    b.enqueue("next", script=SUCCEED)
+    b.attempt("next", 1, claimed=102.3)
+    b.final("next", "COMPLETED")
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {}
+
+
+def test_account_comes_from_the_enqueue_not_the_header(tmp_path: Path) -> None:
+    b = RunBuilder(account_limits={"acct-0": 1})
+    b.enqueue("a", script=SUCCEED)
+    b.attempt("a", 1, claimed=100.0, latency=0.5)
+    b.final("a", "COMPLETED")
+    b.enqueue("b", script=SUCCEED)
+    b.attempt("b", 1, claimed=100.1, latency=0.5, account="mislabelled")
+    b.final("b", "COMPLETED")
+    assert anomalies(check(b, tmp_path)) == {"limit_exceeded": 1}
+
+
+def test_stuck(tmp_path: Path) -> None:
+    b = RunBuilder()
+    b.enqueue(JOB, script=FAIL_ONCE)
+    b.attempt(JOB, 1, claimed=100.0, status=503, behaviour="status")
+    b.final(JOB, "RETRYING")
+    b.enqueue("orphan", script=SUCCEED)
+    b.final("orphan", "PROCESSING")
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"stuck": 2}
+    assert verdict.examples["stuck"] == [
+        {"job_id": JOB, "why": "RETRYING after the drain, 1 deliveries"},
+        {"job_id": "orphan", "why": "PROCESSING after the drain, 0 deliveries"},
+    ]
+
+
+def test_state_mismatch_failed_after_success(tmp_path: Path) -> None:
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED)
+    b.attempt(JOB, 1, claimed=100.0)
+    b.final(JOB, "FAILED")
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"state_mismatch": 1}
+    assert whys(verdict, "state_mismatch") == [
+        "FAILED although the target answered 2xx to attempt 1 and nothing explains it"]
+
+
+def test_failed_after_success_explained_by_crash(tmp_path: Path) -> None:
+    """The success on the last attempt was never written: recovery dead-letters the job."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED, max_attempts=1)
+    b.attempt(JOB, 1, claimed=100.0, write=None)
+    b.event("failpoint", "worker-0", 100.02, job_id=JOB, attempt=1, name="crash_after_http")
+    b.final(JOB, "FAILED", max_attempts=1)
+    assert anomalies(check(b, tmp_path)) == {}
+
+
+def test_state_mismatch_failed_against_the_oracle(tmp_path: Path) -> None:
+    """503 once then 200 with three attempts must complete; dead-lettering it after one
+    failure is wrong (and the job is lost)."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=FAIL_ONCE, max_attempts=3)
+    b.attempt(JOB, 1, claimed=100.0, status=503, behaviour="status")
+    b.final(JOB, "FAILED")
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"lost": 1, "state_mismatch": 1}
+    assert whys(verdict, "state_mismatch") == [
+        "FAILED but its script completes within max_attempts (1 deliveries, no fault recorded)"]
+
+
+def test_fault_that_consumed_attempts_legitimises_failed(tmp_path: Path) -> None:
+    """Attempts burnt by crashes after claim leave a completable job FAILED: legitimate."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=FAIL_ONCE, max_attempts=2)
+    b.attempt(JOB, 1, claimed=100.0, status=503, behaviour="status")
+    b.event("claim", "worker-1", 101.0, job_id=JOB, attempt=2, locked_until=111.0)
+    b.event("failpoint", "worker-1", 101.01, job_id=JOB, attempt=2, name="crash_after_claim")
+    b.final(JOB, "FAILED", attempts=2, max_attempts=2)
+    assert anomalies(check(b, tmp_path)) == {}
+
+
+def test_stale_write(tmp_path: Path) -> None:
+    """worker-0 is paused past its lease; worker-1 takes attempt 2; worker-0 wakes and its
+    write of attempt 1 is applied instead of fenced."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED)
+    b.event("claim", "worker-0", 100.0, job_id=JOB, attempt=1, locked_until=110.0)
+    b.deliver(JOB, attempt=1, received=100.001, answered=100.011, worker="worker-0")
+    b.fault("pause_worker", 100.05, 115.0, target="worker-0")
+    b.attempt(JOB, 2, claimed=111.0, worker="worker-1")
+    b.event("write", "worker-0", 115.1, job_id=JOB, attempt=1, outcome="success",
+            result="applied", error=None)
+    b.final(JOB, "COMPLETED", attempts=2)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"stale_write": 1, "duplicate_explained": 1}
+    assert whys(verdict, "stale_write") == [
+        "worker-0 applied its result for attempt 1 at 115.100, after worker-1 claimed "
+        "attempt 2 at 111.000"]
+    assert "pause_worker on worker-0" in whys(verdict, "duplicate_explained")[0]
+
+
+def test_fenced_stale_write_is_fine(tmp_path: Path) -> None:
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED)
+    b.event("claim", "worker-0", 100.0, job_id=JOB, attempt=1, locked_until=110.0)
+    b.deliver(JOB, attempt=1, received=100.001, answered=100.011, worker="worker-0")
+    b.fault("pause_worker", 100.05, 115.0, target="worker-0")
+    b.attempt(JOB, 2, claimed=111.0, worker="worker-1")
+    b.event("write", "worker-0", 115.1, job_id=JOB, attempt=1, result="fenced")
+    b.final(JOB, "COMPLETED", attempts=2)
+    assert anomalies(check(b, tmp_path)) == {"duplicate_explained": 1}
+
+
+# --------------------------------------------------------------------------------------------
+# Mixed histories, examples, several directories.
+# --------------------------------------------------------------------------------------------
+
+
+def test_mixed_history_counts_each_anomaly(tmp_path: Path) -> None:
+    b = RunBuilder(account_limits={"acct-0": 1})
+    succeed_once(b, "fine", 50.0)
+    b.enqueue("gone", script=SUCCEED)  # lost
+    b.deliver("stranger", attempt=1, received=60.0, answered=60.01)  # unexpected
+    b.enqueue("early", script=FAIL_ONCE)  # early retry
+    b.attempt("early", 1, claimed=70.0, status=503, behaviour="status")
+    b.attempt("early", 2, claimed=70.05)
+    b.final("early", "COMPLETED", attempts=2)
+    b.enqueue("twice", script=SUCCEED)  # unexplained duplicate
+    b.attempt("twice", 1, claimed=80.0)
+    b.attempt("twice", 2, claimed=91.0)
+    b.final("twice", "COMPLETED", attempts=2)
+    b.enqueue("stuck", script=SUCCEED)
+    b.final("stuck", "PENDING")
+    b.enqueue("crowd-1", script=SUCCEED)  # over the account limit
+    b.attempt("crowd-1", 1, claimed=120.0, latency=1.0)
+    b.final("crowd-1", "COMPLETED")
+    b.enqueue("crowd-2", script=SUCCEED)
+    b.attempt("crowd-2", 1, claimed=120.5, latency=0.1, worker="worker-1")
+    b.final("crowd-2", "COMPLETED")
+    verdict = check(b, tmp_path)
+    assert verdict.valid is False
+    assert anomalies(verdict) == {
+        "lost": 1,
+        "unexpected": 1,
+        "early_retry": 1,
+        "duplicate_unexplained": 1,
+        "stuck": 1,
+        "limit_exceeded": 1,
+    }
+    assert verdict.counts["enqueued"] == 7
+    assert verdict.counts["delivered"] == 8
+    assert verdict.counts["completed"] == 5
+    assert {k: [e["job_id"] for e in v] for k, v in verdict.examples.items()} == {
+        "lost": ["gone"],
+        "unexpected": ["stranger"],
+        "early_retry": ["early"],
+        "duplicate_unexplained": ["twice"],
+        "stuck": ["stuck"],
+        "limit_exceeded": ["crowd-2"],
+    }
+
+
+def test_examples_are_capped_at_ten(tmp_path: Path) -> None:
+    b = RunBuilder()
+    for n in range(25):
+        b.enqueue(f"gone-{n:02d}", script=SUCCEED)
+    verdict = check(b, tmp_path)
+    assert verdict.counts["lost"] == 25
+    assert len(verdict.examples["lost"]) == 10
+
+
+def test_several_directories_merge_targets_and_workers(tmp_path: Path) -> None:
+    main = RunBuilder()
+    main.enqueue("here", script=SUCCEED)
+    main.attempt("here", 1, claimed=100.0)
+    main.final("here", "COMPLETED")
+    main.enqueue("there", script=SUCCEED)
+    main.final("there", "COMPLETED")
+    run_dir = main.write(tmp_path / "run")
+    other = RunBuilder()
+    other.attempt("there", 1, claimed=100.0, worker="worker-9")
+    other_dir = tmp_path / "host-2"
+    (other_dir / "deliveries").mkdir(parents=True)
+    (other_dir / "workers").mkdir()
+    (other_dir / "deliveries" / "target-1.jsonl").write_text(
+        "\n".join(other.deliveries["target-0"]) + "\n")
+    (other_dir / "workers" / "worker-9.jsonl").write_text(
+        "\n".join(other.workers["worker-9"]) + "\n")
+    alone = check_run([run_dir])
+    assert anomalies(alone) == {"lost": 1, "state_mismatch": 1}
+    merged = check_run([run_dir, other_dir])
+    assert merged.valid is True
+    assert merged.counts["delivered"] == 2
+    assert str(other_dir / "deliveries" / "target-1.jsonl") in merged.files
+
+
+# --------------------------------------------------------------------------------------------
+# Unknown: the history cannot decide.
+# --------------------------------------------------------------------------------------------
+
+
+def test_drain_timed_out_is_unknown_not_stuck(tmp_path: Path) -> None:
+    b = RunBuilder(drained=False)
+    succeed_once(b, "done", 100.0)
+    b.enqueue("live", script=SUCCEED)
+    b.final("live", "PENDING")
+    verdict = check(b, tmp_path)
+    assert verdict.valid == "unknown"
+    assert verdict.exit_code == 3
+    assert verdict.counts["stuck"] == 0
+    assert verdict.unknown_reasons == ("the drain timed out with 1 jobs still live",)
+
+
+def test_violation_beats_unknown(tmp_path: Path) -> None:
+    b = RunBuilder(drained=False)
+    b.enqueue("gone", script=SUCCEED)
+    b.enqueue("live", script=SUCCEED)
+    b.final("live", "PENDING")
+    verdict = check(b, tmp_path)
+    assert verdict.valid is False
+    assert anomalies(verdict) == {"lost": 1}
+
+
+def test_truncated_log_is_unknown(tmp_path: Path) -> None:
+    b = RunBuilder()
+    succeed_once(b, "a", 100.0)
+    run_dir = b.write(tmp_path / "run")
+    with (run_dir / "deliveries" / "target-0.jsonl").open("a") as fh:
+        fh.write('{"job_id": "a", "rec')
+    verdict = check_run([run_dir])
+    assert verdict.valid == "unknown"
+    assert verdict.unknown_reasons == (
+        f"{run_dir / 'deliveries' / 'target-0.jsonl'} is truncated mid-line",)
+
+
+def test_interrupted_run_is_unknown(tmp_path: Path) -> None:
+    b = RunBuilder(exit_reason="interrupted")
+    succeed_once(b, "a", 100.0)
+    verdict = check(b, tmp_path)
+    assert verdict.valid == "unknown"
+
+
+def test_deliveries_without_worker_events_are_unknown(tmp_path: Path) -> None:
+    b = RunBuilder()
+    b.enqueue("a", script=SUCCEED)
+    b.deliver("a", attempt=1, received=100.0, answered=100.01)
+    b.final("a", "COMPLETED")
+    verdict = check(b, tmp_path)
+    assert verdict.valid == "unknown"
+
+
+def test_missing_nemesis_file_means_no_faults(tmp_path: Path) -> None:
+    b = RunBuilder()
+    succeed_once(b, "a", 100.0)
+    verdict = check(b, tmp_path, nemesis=False)
+    assert verdict.valid is True
+    assert verdict.details["faults"] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input and the verdict file.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: (d / "run.json").unlink(), "run.json is missing"),
+        (lambda d: (d / "final_jobs.jsonl").unlink(), "final_jobs.jsonl is missing"),
+        (lambda d: (d / "deliveries").rename(d / "x"), "deliveries/ is missing"),
+        (lambda d: (d / "enqueues.jsonl").write_text('{"type": "invoke"\n'),
+         "enqueues.jsonl:1 is not valid JSON"),
+        (lambda d: (d / "enqueues.jsonl").write_text('{"type": "invoke", "job_id": "x"}\n'),
+         "invoke needs max_attempts"),
+        (lambda d: (d / "run.json").write_text('{"drained": true}'), "run.json lacks"),
+        (lambda d: (d / "nemesis.jsonl").write_text(
+            '{"fault": "meteor", "start": 1.0, "end": null}\n'), "unknown fault kind"),
+        (lambda d: (d / "deliveries" / "target-0.jsonl").write_text(
+            '{"job_id": "a", "received": "soon"}\n'), "field received is not a number"),
+        (lambda d: (d / "final_jobs.jsonl").write_text('{"job_id": "a", "status": "DONE"}\n'),
+         "unknown job status"),
+    ],
+)
+def test_bad_input_raises_history_error(tmp_path: Path, damage: Any, message: str) -> None:
+    b = RunBuilder()
+    succeed_once(b, "a", 100.0)
+    run_dir = b.write(tmp_path / "run")
+    damage(run_dir)
+    with pytest.raises(HistoryError, match=message):
+        check_run([run_dir])
+
+
+def test_write_verdict(tmp_path: Path) -> None:
+    b = RunBuilder()
+    succeed_once(b, "a", 100.0)
+    run_dir = b.write(tmp_path / "run")
+    verdict = check_run([run_dir])
+    path = write_verdict(run_dir, verdict)
+    raw = json.loads(path.read_text())
+    assert raw["valid"] is True
+    assert set(raw["counts"]) == set(COUNT_KEYS)
+    assert all(isinstance(v, int) for v in raw["counts"].values())
+    assert set(VIOLATION_KEYS) <= set(raw["counts"])
+    assert raw["examples"] == {}
