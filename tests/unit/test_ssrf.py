@@ -24,6 +24,7 @@ DNS: dict[str, list[str]] = {
     "sneaky6.example": ["2606:2800:220:1::1", "::ffff:169.254.169.254"],
     "metadata.example": ["169.254.169.254"],
     "localhost": ["127.0.0.1", "::1"],
+    "localhost.": ["127.0.0.1", "::1"],
     "nothing.example": [],
 }
 
@@ -86,6 +87,13 @@ HOSTILE = [
     ("http://unknown.example/", "cannot resolve"),
     ("http://08.0.0.1/", "not a valid numeric"),
     ("http://134744072/", "non-canonical"),  # 8.8.8.8, but in a spelling nobody needs
+    # Parser confusion: the guard must see the host the HTTP client will connect to.
+    ("http://public.example@127.0.0.1/", "loopback"),
+    ("http://127.0.0.1\\@public.example/", "malformed"),
+    ("http://\u2460\u2461\u2466.0.0.1/", "loopback"),  # circled digits normalise to 127
+    ("http://127\u30020\u30020\u30021/", "loopback"),  # ideographic full stops
+    ("http://localhost./", "loopback"),
+    ("http://[::ffff:127.0.0.1%25eth0]/", "embedding 127.0.0.1, a loopback"),
 ]
 
 
