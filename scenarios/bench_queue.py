@@ -16,6 +16,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -292,6 +293,8 @@ def _queue_worker(
     from queue_impl.interface import AttemptResult, Outcome
     from queue_impl.pg import PgQueue
 
+    # Ctrl-C is the parent's to handle: it stops every worker and the server in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     queue = PgQueue(dsn, schema=schema)
     worker_id = f"bench-{index}"
     try:
