@@ -68,9 +68,9 @@ def render(verdict: Verdict, path: Path, console: Console, examples: int = 3) ->
     for kind, items in verdict.examples.items():
         for item in items[: max(examples, 0)]:
             console.print(f"  {kind}: {item['job_id']}: {item['why']}", markup=False,
-                          highlight=False)
+                          highlight=False, soft_wrap=True)
     for reason in verdict.unknown_reasons:
-        console.print(f"  unknown: {reason}", markup=False, highlight=False)
+        console.print(f"  unknown: {reason}", markup=False, highlight=False, soft_wrap=True)
     if verdict.valid is True:
         label = "[bold green]VALID[/]"
     elif verdict.valid is False:
@@ -81,6 +81,7 @@ def render(verdict: Verdict, path: Path, console: Console, examples: int = 3) ->
     console.print(
         f"{label}  (checked in {timings.get('total_seconds', 0.0):.2f}s)  verdict: {path}",
         highlight=False,
+        soft_wrap=True,
     )
 
 
