@@ -33,6 +33,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
+    """ruff check over the tree; ruff format over the files listed in FORMATTED."""
     session.install("ruff>=0.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", *FORMATTED)

@@ -12,7 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from scenarios.provision import DSN_ENV, PgServer, docker_answers, postgres
+from scenarios.provision import DSN_ENV, PgServer, docker_answers, fresh_database, postgres
 
 pytestmark = pytest.mark.integration
 
@@ -119,3 +119,18 @@ def test_docker_container_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     with postgres(durable=False) as server:
         assert server.kind == "docker"
         assert server.settings()["fsync"] == "off"
+
+
+def test_fresh_database_is_empty_and_dropped_afterwards(pg_dsn: str) -> None:
+    with fresh_database(pg_dsn) as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute("SELECT current_database()").fetchone()
+            assert row is not None
+            name = row[0]
+            conn.execute("CREATE TABLE t (v int)")
+        assert name != psycopg.conninfo.conninfo_to_dict(pg_dsn).get("dbname")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        gone = conn.execute(
+            "SELECT count(*) FROM pg_database WHERE datname = %s", [name]
+        ).fetchone()
+    assert gone == (0,)
