@@ -140,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
     if args.sql is not None and not Path(args.sql).is_file():
         raise UsageError(f"--sql {args.sql}: no such file")
 
+    interrupted: str | None = None
+    pool: WorkerPool | None = None
     previous = signal.signal(signal.SIGTERM, _raise_stop)
     try:
         with postgres(args.dsn) as server:
@@ -160,23 +162,34 @@ def run(args: argparse.Namespace) -> int:
                 _watch(pool)
             except (KeyboardInterrupt, _Stop):
                 print("skiplock worker: stopping, draining in-flight jobs", file=sys.stderr)
+                raise
             finally:
                 # Ignore a second Ctrl-C / SIGTERM while draining: the pool's own deadline
                 # SIGKILLs stragglers, so nothing is left behind either way.
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-                pool.stop()
-                signal.signal(signal.SIGINT, signal.default_int_handler)
+                try:
+                    pool.stop()
+                finally:
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+    except KeyboardInterrupt:
+        interrupted = "SIGINT"
+    except _Stop:
+        interrupted = "SIGTERM"
     finally:
         signal.signal(signal.SIGTERM, previous)
-    crashed = [
-        f"{worker_id} ({code})"
-        for worker_id, code in zip(pool.worker_ids, pool.exitcodes(), strict=True)
-        if code not in (0, None, -signal.SIGTERM, -signal.SIGKILL, FAILPOINT_EXIT_CODE)
-    ]
-    if crashed:
-        raise HarnessError(f"worker(s) exited with an error: {', '.join(crashed)}")
-    print("skiplock worker: stopped", file=sys.stderr)
+    if pool is not None:
+        crashed = [
+            f"{worker_id} ({code})"
+            for worker_id, code in zip(pool.worker_ids, pool.exitcodes(), strict=True)
+            if code not in (0, None, -signal.SIGTERM, -signal.SIGKILL, FAILPOINT_EXIT_CODE)
+        ]
+        if crashed:
+            raise HarnessError(f"worker(s) exited with an error: {', '.join(crashed)}")
+        print("skiplock worker: stopped", file=sys.stderr)
+    if interrupted == "SIGINT":
+        # The CLI's convention for Ctrl-C (exit 130), now that everything is cleaned up.
+        raise KeyboardInterrupt
     return 0
 
 

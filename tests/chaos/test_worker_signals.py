@@ -223,8 +223,17 @@ def test_crash_after_http_failpoint_kills_the_worker_before_the_write(
     assert snapshot(spec)[job_id].status is JobStatus.PROCESSING
 
 
-def test_worker_command_drains_on_sigterm_and_leaves_no_child(
-    spec: BackendSpec, target: TargetProcess, tmp_path: Path, pg_dsn: str
+@pytest.mark.parametrize(
+    ("how", "exit_code"),
+    [("sigterm", 0), ("ctrl-c", 130)],
+)
+def test_worker_command_drains_and_leaves_no_child(
+    spec: BackendSpec,
+    target: TargetProcess,
+    tmp_path: Path,
+    pg_dsn: str,
+    how: str,
+    exit_code: int,
 ) -> None:
     events_dir = tmp_path / "cli"
     env = {k: v for k, v in os.environ.items() if k != "SKIPLOCK_PG_DSN"}
@@ -243,6 +252,8 @@ def test_worker_command_drains_on_sigterm_and_leaves_no_child(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Its own process group, as a terminal gives it: Ctrl-C reaches every process in it.
+        start_new_session=True,
     )  # fmt: skip
     try:
         wait_for(
@@ -256,14 +267,17 @@ def test_worker_command_drains_on_sigterm_and_leaves_no_child(
             if e["kind"] == "start"
         ]
         assert len(starts) == 2
-        process.send_signal(signal.SIGTERM)
+        if how == "sigterm":
+            process.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(process.pid, signal.SIGINT)
         _, err = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
-    assert process.returncode == 0, err
-    assert "stopped" in err
+    assert process.returncode == exit_code, err
+    assert "skiplock worker: stopped" in err
     for pid in starts:
         assert not pid_alive(pid)
     for path in events_dir.glob("*.jsonl"):
