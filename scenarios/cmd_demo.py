@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     with LiveProgress(f"{spec.name} on {args.backend}", console=console) as live:
         result = run_scenario(spec, options, observer=live,
                               announce=lambda m: console.print(f"[dim]{m}[/]"))
+    console.print()
     console.print(summary_table(result.run_dir, result.verdict, spec.duration + spec.warmup))
     console.print(f"run directory: [bold]{result.run_dir}[/]")
     console.print(f"re-check it any time: skiplock check {result.run_dir}")
@@ -96,7 +97,7 @@ def summary_table(run_dir: Path, verdict: Any, load_seconds: float) -> Table:
                   f"{delivered_jobs / span:.1f}" if span else "-")
     for key in ("p50", "p99"):
         value = lat.get(key)
-        table.add_row(f"{key} enqueue -> delivery",
+        table.add_row(f"{key} enqueue -> first 2xx",
                       "-" if value is None else f"{value * 1000:.0f} ms")
     for key, value in counts.items():
         style = "red" if value and key not in (

@@ -123,7 +123,7 @@ def print_verdict(console: Console, verdict: object, run_dir: Path) -> None:
     counts: dict[str, int] = dict(getattr(verdict, "counts", {}))
     examples: dict[str, list[dict[str, object]]] = dict(getattr(verdict, "examples", {}))
     console.print(f"verdict: {verdict_label(valid)}   run directory: {run_dir}")
-    console.print("  " + "  ".join(f"{k}={v}" for k, v in counts.items()))
+    console.print("  " + "  ".join(f"{k}={v}" for k, v in counts.items()), soft_wrap=True)
     for kind, items in examples.items():
         for item in items[:3]:
             console.print(f"  {kind}: {json.dumps(item, default=str)}")

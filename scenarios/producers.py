@@ -238,8 +238,14 @@ def main(config: Mapping[str, Any]) -> int:
             _run_until(master, env, csv_base, users, spawn_rate, stop_at)
         elif role == "worker":
             worker = env.create_worker_runner("127.0.0.1", int(config["master_port"]))
-            assert worker.greenlet is not None
-            worker.greenlet.join()
+            # The master stops the users at stop_at; Locust's own quit path may leave this
+            # process waiting on its greenlets, so leave once the users are gone.
+            gevent.sleep(max(0.0, stop_at - time.time()))
+            deadline = time.time() + (env.stop_timeout or 0.0) + 5.0
+            while worker.user_count > 0 and time.time() < deadline:
+                gevent.sleep(0.1)
+            gevent.sleep(1.0)  # the final statistics report to the master
+            worker.greenlet.kill(block=False)
         else:
             raise ValueError(f"unknown producer role {role!r}")
     finally:

@@ -212,23 +212,24 @@ Observer = Callable[[Sample], None]
 
 
 def _table(sample: Sample, title: str) -> Table:
-    table = Table(title=title, show_header=True, header_style="bold", expand=False)
-    for column in ("phase", "elapsed", "rate/s", "enqueued", "delivered", "completed",
-                   "failed", "in flight", "queued", "duplicates"):
-        table.add_column(column, justify="right")
+    """Label / value rows: narrow enough for an 80-column terminal."""
+    table = Table(title=title, show_header=False, expand=False, min_width=44)
+    table.add_column("measure", style="bold")
+    table.add_column("value", justify="right")
     dup_style = "bold red" if sample.duplicates else "green"
-    table.add_row(
-        sample.phase,
-        f"{sample.elapsed:5.1f}s",
-        f"{sample.rate:6.1f}",
-        str(sample.enqueued),
-        str(sample.delivered_ok),
-        str(sample.completed),
-        str(sample.failed),
-        str(sample.in_flight),
-        str(sample.queue_depth),
-        Text(str(sample.duplicates), style=dup_style),
-    )
+    rows: list[tuple[str, str | Text]] = [
+        ("phase", f"{sample.phase} ({sample.elapsed:.0f} s)"),
+        ("enqueue rate", f"{sample.rate:.0f} jobs/s"),
+        ("enqueued", str(sample.enqueued)),
+        ("delivered (2xx)", str(sample.delivered_ok)),
+        ("completed", str(sample.completed)),
+        ("failed (dead letters)", str(sample.failed)),
+        ("in flight", str(sample.in_flight)),
+        ("queued", str(sample.queue_depth)),
+        ("duplicate successes so far", Text(str(sample.duplicates), style=dup_style)),
+    ]
+    for label, value in rows:
+        table.add_row(label, value)
     return table
 
 
@@ -248,8 +249,7 @@ class LiveProgress:
 
     def __call__(self, sample: Sample) -> None:
         if self._live is not None:
-            note = Text("duplicates are counted from the target's log; the checker explains"
-                        " them after the run", style="dim")
+            note = Text("the checker explains duplicates after the run", style="dim")
             self._live.update(Group(_table(sample, self.title), note))
 
     def __exit__(self, *exc: object) -> None:

@@ -220,3 +220,36 @@ def test_print_throughput_beside_pg(capsys: pytest.CaptureFixture[str]) -> None:
         for backend, (rate, enqueued) in THROUGHPUT.items():
             print(f"{backend:<16} {rate:>16.1f}   {enqueued:>8}")
     assert all(rate > 0 for rate, _ in THROUGHPUT.values())
+
+
+def _in_fresh_python(code: str) -> str:
+    """Run code in a new interpreter: importing the producers module patches the world with
+    gevent, which must not happen inside the test process."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_producer_classifies_enqueue_errors() -> None:
+    out = _in_fresh_python(
+        "import scenarios.producers as p, psycopg, gevent\n"
+        "print(p.classify_error(psycopg.errors.UniqueViolation('dup')),"
+        " p.classify_error(psycopg.OperationalError('server closed the connection')),"
+        " p.classify_error(ValueError('bad job')))"
+    )
+    assert out.split() == ["fail", "info", "fail"]
+
+
+def test_producer_makes_psycopg_cooperative_even_if_imported_first() -> None:
+    out = _in_fresh_python(
+        "import psycopg, psycopg.waiting\n"
+        "blocking = psycopg.waiting.wait is getattr(psycopg.waiting, 'wait_c', None)\n"
+        "import scenarios.producers as p\n"
+        "p._cooperative_psycopg()\n"
+        "print(blocking, psycopg.waiting.wait.__name__)"
+    )
+    assert out.split()[1] in ("wait_poll", "wait_select", "wait_selector")
