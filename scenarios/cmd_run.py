@@ -52,11 +52,18 @@ def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve(args: argparse.Namespace, scenario: str) -> tuple[ScenarioSpec, int]:
     """The scenario with every command-line override applied, and the seed."""
     from queue_impl.plugins import validate_backend_name
+    from queue_impl.sqlfile import SqlFileError, statements_with_overrides
 
     try:
         validate_backend_name(args.backend)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.sql_path is not None:
+        # Checked here, before any server or process starts, so a bad file is exit 2.
+        try:
+            statements_with_overrides(args.sql_path)
+        except SqlFileError as exc:
+            raise UsageError(str(exc)) from None
     overrides = list(args.overrides)
     flags = {
         "duration": args.duration,

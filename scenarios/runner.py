@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import os
 import secrets
+import shutil
 import signal
 import threading
 import time
@@ -316,7 +317,6 @@ def run_scenario(
 ) -> RunResult:
     """Run `spec` and judge it. Raises HarnessError when the harness itself fails."""
     from reports.checker import check_run, write_verdict
-
     from scenarios.workers import WorkerPool
 
     say = announce or (lambda _message: None)
@@ -336,6 +336,8 @@ def run_scenario(
     schema = options.schema or f"skiplock_{secrets.token_hex(4)}"
     loop: _SampleLoop | None = None
     backend_spec: BackendSpec | None = None
+    server_up: PgServer | None = None
+    run_dir_removed = False
 
     def write_run_info() -> RunInfo:
         info = RunInfo(
@@ -384,6 +386,7 @@ def run_scenario(
         with contextlib.ExitStack() as stack:
             phase("setup")
             server = stack.enter_context(postgres(options.dsn, durable=True))
+            server_up = server
             say(f"PostgreSQL: {server.kind} {server.display}")
             backend_spec = BackendSpec(name=options.backend, dsn=server.dsn, schema=schema,
                                        sql_path=options.sql_path)
@@ -446,18 +449,27 @@ def run_scenario(
     except KeyboardInterrupt:
         exit_reason = "interrupted"
         raise
-    except (HarnessError, UsageError) as exc:
+    except UsageError as exc:
+        exit_reason = f"error: {exc}"
+        if server_up is None:
+            # Bad input found before anything ran (e.g. an unreachable DSN): leave no
+            # half-made run directory behind.
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir_removed = True
+        raise
+    except HarnessError as exc:
         exit_reason = f"error: {exc}"
         raise
     except Exception as exc:
         exit_reason = f"error: {type(exc).__name__}: {exc}"
         raise HarnessError(f"{type(exc).__name__}: {exc}") from exc
     finally:
-        if phases and phases[-1]["end"] is None:
-            phases[-1]["end"] = time.time()
-        info = write_run_info()
-        with contextlib.suppress(Exception):
-            write_spec_json({"phases": phases})
+        if not run_dir_removed:
+            if phases and phases[-1]["end"] is None:
+                phases[-1]["end"] = time.time()
+            info = write_run_info()
+            with contextlib.suppress(Exception):
+                write_spec_json({"phases": phases})
 
     verdict = check_run([run_dir])
     write_verdict(run_dir, verdict)
