@@ -232,9 +232,7 @@ class Dispatcher:
                     if leases is None:
                         continue
                     if not leases:
-                        await asyncio.to_thread(
-                            self.backend.wait_for_work, self.config.poll_seconds
-                        )
+                        await self._idle()
                         continue
                     await self._run_batch(session, resolver, leases)
         except BaseException as exc:
@@ -242,7 +240,16 @@ class Dispatcher:
             raise
         finally:
             self.emit("stop", reason=self._stop_reason)
-            await asyncio.to_thread(self.backend.close)
+            await self._reconnect()
+
+    async def _idle(self) -> None:
+        """Nothing due: wait for a notification, or the poll interval."""
+        try:
+            await asyncio.to_thread(self.backend.wait_for_work, self.config.poll_seconds)
+        except Exception as exc:
+            _log(f"{self.worker_id}: waiting for work failed: {_one_line(exc)}")
+            await self._reconnect()
+            await self._sleep_unless_stopping(self.config.poll_seconds)
 
     async def _maybe_recover(self) -> None:
         if not self.config.recovery_enabled or time.monotonic() < self._next_recovery:
@@ -271,7 +278,7 @@ class Dispatcher:
             return None
 
     async def _reconnect(self) -> None:
-        # The backend reconnects lazily on its next call once closed.
+        """Close the backend; it reconnects lazily on its next call."""
         try:
             await asyncio.to_thread(self.backend.close)
         except Exception as exc:

@@ -437,3 +437,33 @@ def test_long_call_renews_its_lease_so_recovery_leaves_it_alone(
     assert renewals[-1]["locked_until"] > claim["locked_until"]
     [write] = [f for kind, f in events if kind == "write"]
     assert write["result"] == "applied"
+
+
+class FlakyDatabase(PgQueue):
+    """The first recovery pass and the first claim each lose the connection."""
+
+    broken = {"recover", "claim"}
+
+    def recover(self, limit: int = 100) -> int:
+        if "recover" in self.broken:
+            self.broken = self.broken - {"recover"}
+            raise psycopg.OperationalError("terminating connection due to administrator command")
+        return super().recover(limit)
+
+    def claim(self, worker_id: str, batch: int, lease: timedelta) -> list[Lease]:
+        if "claim" in self.broken:
+            self.broken = self.broken - {"claim"}
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return super().claim(worker_id, batch, lease)
+
+
+def test_database_errors_outside_the_write_do_not_stop_the_worker(
+    queue: Queue, server: EchoServer
+) -> None:
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
+    jobs = enqueue(queue, server.url("/ok"), count=3)
+    backend = FlakyDatabase(queue.dsn, schema=queue.schema)
+    states, events = run_until(queue, config, all_terminal, backend=backend)
+    assert backend.broken == set()
+    assert all(states[job.id].status is JobStatus.COMPLETED for job in jobs)
+    assert [kind for kind, _ in events].count("stop") == 1
