@@ -44,29 +44,54 @@ def _failpoint(text: str) -> tuple[str, float]:
 def configure(parser: argparse.ArgumentParser) -> None:
     defaults = DispatcherConfig()
     parser.add_argument("--dsn", help="PostgreSQL DSN (default: $SKIPLOCK_PG_DSN)")
-    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument(
-        "--batch", type=int, default=defaults.batch, help="jobs claimed per transaction"
+        "--workers", type=int, default=2, metavar="N", help="worker processes (default 2)"
     )
-    parser.add_argument("--lease", type=float, default=defaults.lease_seconds, help="lease seconds")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=defaults.batch,
+        metavar="B",
+        help="jobs claimed per transaction (default %(default)s)",
+    )
+    parser.add_argument(
+        "--lease",
+        type=float,
+        default=defaults.lease_seconds,
+        metavar="SECONDS",
+        help="how long a claimed job is held (default %(default)s)",
+    )
     parser.add_argument(
         "--http-timeout",
         type=float,
         default=defaults.http_timeout_seconds,
-        help="total seconds allowed for one HTTP call",
+        metavar="SECONDS",
+        help="total seconds allowed for one HTTP call (default %(default)s)",
     )
     parser.add_argument(
         "--write-margin",
         type=float,
         default=defaults.write_margin_seconds,
-        help="seconds reserved inside the lease for the result write",
+        metavar="SECONDS",
+        help="seconds reserved inside the lease for the result write (default %(default)s)",
     )
     parser.add_argument(
-        "--poll", type=float, default=defaults.poll_seconds, help="idle poll seconds"
+        "--poll",
+        type=float,
+        default=defaults.poll_seconds,
+        metavar="SECONDS",
+        help="idle poll interval (default %(default)s)",
     )
-    parser.add_argument("--backend", default="pg", help="pg, a variant, or package.module:factory")
+    parser.add_argument(
+        "--backend",
+        default="pg",
+        metavar="NAME",
+        help="pg (default), pg-naive, pg-for-update, pg-long-tx, or package.module:factory",
+    )
     parser.add_argument("--schema", default="skiplock", help="schema holding the queue tables")
-    parser.add_argument("--sql", help="SQL file whose named blocks replace the reference ones")
+    parser.add_argument(
+        "--sql", metavar="FILE", help="SQL file whose named blocks replace the reference ones"
+    )
     parser.add_argument(
         "--allow-target",
         action="append",
@@ -77,6 +102,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--events-dir",
         type=Path,
+        metavar="DIR",
         default=Path("worker-events"),
         help="directory for one event log per worker (default ./worker-events)",
     )
