@@ -652,20 +652,26 @@ class _Explainer:
         return any(rec["kind"] == "write" and rec["result"] == "applied"
                    for rec in self.by_attempt.get((job, int(attempt)), ()))
 
-    def explain(self, d: dict[str, Any], until: float) -> str | None:
+    def explain(self, d: dict[str, Any], until: float, *, timeouts: bool = True) -> str | None:
         """A one-line reason why the attempt that made delivery `d` may be executed again
-        before `until` (the next delivery), or None."""
+        before `until` (the next delivery), or None. `timeouts` False leaves out HTTP
+        timeouts (the caller judges those by time)."""
         timeout = self.cfg.http_timeout_seconds
         job = int(d["job"])
         attempt = d["attempt"]
         label = "?" if math.isnan(attempt) else str(int(attempt))
         answered = d["answered"]
-        if not math.isnan(answered) and answered - d["received"] >= timeout - self.tol:
+        # A timeout explains a redelivery only once the worker had given up on the call.
+        if (timeouts and not math.isnan(answered)
+                and answered - d["received"] >= timeout - self.tol
+                and until >= d["received"] + timeout - self.tol):
             return (f"HTTP timeout: the target answered attempt {label} after "
                     f"{answered - d['received']:.2f}s, past the {timeout:g}s timeout")
         if not math.isnan(attempt):
             for rec in self.by_attempt.get((job, int(attempt)), ()):
-                if rec["kind"] == "http" and rec["result"] in ("timeout", "connection_error"):
+                if (timeouts and rec["kind"] == "http"
+                        and rec["result"] in ("timeout", "connection_error")
+                        and until >= float(rec["time"]) - self.tol):
                     return (f"worker {rec['worker']} recorded an HTTP {rec['result']} "
                             f"for attempt {label}")
                 if rec["kind"] == "write" and rec["result"] == "info":
@@ -935,12 +941,16 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
         reasons: list[str] = []
         for r in overlapping:
             rec = records[r]
-            why = explainer.explain(rec, float(received[i]))
+            why = None
+            if ((late[r] or (hang_forever[r] and not is_answered[r]))
+                    and received[i] >= received[r] + timeout - tolerance):
+                why = (f"attempt {_label(attempt[r])} was abandoned at its "
+                       f"{timeout:g}s HTTP timeout")
             if why is None and received[i] >= explainer.lease_end(
                     j, float(attempt[r]), float(received[r])) - tolerance:
                 why = f"the lease of attempt {_label(attempt[r])} had expired"
-            if why is None and not is_answered[r] and hang_forever[r]:
-                why = f"attempt {_label(attempt[r])} hung past the HTTP timeout"
+            if why is None:
+                why = explainer.explain(rec, float(received[i]), timeouts=False)
             if why is None:
                 found.add("concurrent_delivery", h.job_ids[j],
                           f"delivery at {_fmt(received[i])} (attempt {_label(attempt[i])}) "
@@ -961,8 +971,8 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
         if received[i] >= explainer.lease_end(j, float(attempt[p]), float(received[p])) \
                 - tolerance and not explainer.has_applied_write(j, float(attempt[p])):
             continue  # the lease expired: recovery makes the job due at once
-        if explainer.explain(records[p], float(received[i])) is not None:
-            continue
+        # Nothing else excuses it: a timeout or a fault is still a transient failure whose
+        # write sets the backoff, and without that write the lease holds the job.
         gap = received[i] - fail_seen[p]
         found.add("early_retry", h.job_ids[j],
                   f"retry at {_fmt(received[i])} came {gap:.3f}s after attempt "

@@ -339,6 +339,18 @@ def test_concurrent_delivery_alone(tmp_path: Path) -> None:
     assert anomalies(verdict) == {"concurrent_delivery": 1}
 
 
+def test_overlap_before_the_timeout_is_concurrent(tmp_path: Path) -> None:
+    """A hang is abandoned at the timeout, not before: a retry while it runs is wrong."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=script({"behaviour": "hang", "seconds": 5.0}, 1))
+    b.attempt(JOB, 1, claimed=100.0, latency=5.0, behaviour="hang", write=None)
+    b.attempt(JOB, 2, claimed=100.5, worker="worker-1")
+    b.final(JOB, "COMPLETED", attempts=2)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"concurrent_delivery": 1, "early_retry": 1,
+                                  "duplicate_unexplained": 1}
+
+
 def test_overlap_after_an_expired_lease_is_not_concurrent(tmp_path: Path) -> None:
     """Attempt 1 hangs past its lease (unsafe timing); attempt 2 after the lease is fine."""
     b = RunBuilder(http_timeout_seconds=30.0, lease_seconds=10.0)
@@ -404,6 +416,17 @@ def test_early_retry_uses_the_attempt_number(tmp_path: Path) -> None:
     b.final(JOB, "COMPLETED", attempts=3, max_attempts=5)
     verdict = check(b, tmp_path)
     assert anomalies(verdict) == {"early_retry": 1}
+
+
+def test_early_retry_after_a_timeout(tmp_path: Path) -> None:
+    """A timeout is explained as a cause of duplicates, not as a reason to skip backoff."""
+    b = RunBuilder(retry_base_seconds=4.0)  # at least 2 s after the first failure
+    b.enqueue(JOB, script=script({"behaviour": "hang", "seconds": 5.0}, 1))
+    b.attempt(JOB, 1, claimed=100.0, latency=5.0, behaviour="hang")
+    b.attempt(JOB, 2, claimed=102.6)
+    b.final(JOB, "COMPLETED", attempts=2)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"early_retry": 1, "duplicate_explained": 1}
 
 
 def test_retry_after_an_expired_lease_is_due_at_once(tmp_path: Path) -> None:
