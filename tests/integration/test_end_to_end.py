@@ -199,7 +199,8 @@ def test_worker_killed_with_recovery_off_is_reported(
     assert len(list(read_jsonl(result.run_dir / NEMESIS_FILE))) == 1
 
 
-OFFERED = ["workers=3", "rate=300", "batch=10"]
+# Jobs enqueued 10 per transaction, so that the producers are not what limits the rate.
+OFFERED = ["workers=3", "rate=400", "enqueue_batch=10", "batch=10"]
 
 
 @pytest.mark.parametrize("backend", ["pg", "pg-for-update", "pg-long-tx"])
