@@ -87,7 +87,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--dsn", default=None, help="PostgreSQL DSN (default: SKIPLOCK_PG_DSN, else embedded)"
     )
     parser.add_argument(
-        "--out", type=Path, default=None, help="JSON result file (default bench-results/...)"
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON result file (default ./bench-results/queue-TIMESTAMP.json)",
     )
 
 
@@ -110,7 +113,14 @@ def validate(args: argparse.Namespace) -> Params:
 
 def run(args: argparse.Namespace) -> int:
     params = validate(args)
-    out = args.out or REPO_ROOT / "bench-results" / f"queue-{_stamp()}.json"
+    out = args.out or Path("bench-results") / f"queue-{_stamp()}.json"
+    # Refuse an unwritable --out before spending a benchmark's time.
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a directory; give a file name")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {out}: cannot create its folder ({exc.strerror})") from None
     with postgres(args.dsn, durable=True) as server:
         settings = server.settings()
         _say(

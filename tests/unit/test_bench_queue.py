@@ -73,6 +73,7 @@ def test_percentile_picks_from_the_sorted_values() -> None:
     [
         ["bench", "queue", "--workers", "0"],
         ["bench", "queue", "--duration", "-1"],
+        ["bench", "queue", "--out", "/"],
         ["bench", "queue", "--dsn", "postgresql://u:sekret-pw@127.0.0.1:1/x", "--duration", "1"],
     ],
 )
