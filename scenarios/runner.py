@@ -39,6 +39,7 @@ from reports.history import (
     SAMPLES_FILE,
     SPEC_FILE,
     WORKERS_DIR,
+    HistoryError,
     JsonlWriter,
     RunInfo,
     to_record,
@@ -471,7 +472,10 @@ def run_scenario(
             with contextlib.suppress(Exception):
                 write_spec_json({"phases": phases})
 
-    verdict = check_run([run_dir])
+    try:
+        verdict = check_run([run_dir])
+    except HistoryError as exc:
+        raise HarnessError(f"the run's own history cannot be read: {exc}") from exc
     write_verdict(run_dir, verdict)
     return RunResult(run_dir=run_dir, verdict=verdict, info=info,
                      samples=list(loop.samples) if loop else [], description=description)

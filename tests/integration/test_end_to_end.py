@@ -76,7 +76,7 @@ def no_leftovers() -> Iterator[None]:
 
 def _throughput(result: RunResult) -> float:
     samples = [s for s in result.samples if s.phase in ("warmup", "load", "drain", "done")]
-    completed = result.verdict.counts["completed"]
+    completed = int(result.verdict.counts["completed"])
     if not samples:
         return 0.0
     seconds = max(samples[-1].time - samples[0].time, 1e-9)
