@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 import pytest
 
@@ -78,9 +79,14 @@ def test_percentile_picks_from_the_sorted_values() -> None:
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(
-    argv: list[str], capsys: pytest.CaptureFixture[str]
+    argv: list[str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     from scenarios.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the default result folder is made under the cwd
 
     assert main(argv) == 2
     captured = capsys.readouterr()
