@@ -102,9 +102,11 @@ class RunBuilder:
             "max_attempts": max_attempts, "run_at": None, "error": None,
         }))
         if answer is not None:
+            # Every field, in EnqueueOp's order, as JsonlWriter writes it.
             self.enqueues.append(_line({
                 "type": answer, "job_id": job_id, "time": time + 0.001, "process": "producer-0",
-                "error": None if answer == "ok" else "boom",
+                "account": None, "target_url": None, "script": None, "max_attempts": None,
+                "run_at": None, "error": None if answer == "ok" else "boom",
             }))
 
     def deliver(
@@ -370,9 +372,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"history: {mix['deliveries']} deliveries, {mix['jobs']} jobs, "
           f"{verdict.details.get('worker_events', 0)} worker events, {size / 1e6:.0f} MB "
           f"(built in {built:.1f}s)")
-    print(f"load    {timings['load_seconds']:8.2f} s")
-    print(f"judge   {timings['judge_seconds']:8.2f} s")
-    print(f"total   {timings['total_seconds']:8.2f} s   verdict: {verdict.valid}")
+    cpu_total = timings["load_cpu_seconds"] + timings["judge_cpu_seconds"]
+    print("          wall s    cpu s")
+    print(f"load    {timings['load_seconds']:8.2f} {timings['load_cpu_seconds']:8.2f}")
+    print(f"judge   {timings['judge_seconds']:8.2f} {timings['judge_cpu_seconds']:8.2f}")
+    print(f"total   {timings['total_seconds']:8.2f} {cpu_total:8.2f}   verdict: {verdict.valid}")
     result = {
         "benchmark": "checker",
         "parameters": {"deliveries": args.deliveries, "seed": args.seed},

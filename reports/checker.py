@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import re
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -151,10 +152,58 @@ def write_verdict(run_dir: Path, verdict: Verdict) -> Path:
 
 _CHUNK_LINES = 200_000
 
+# The writers in this package (JsonlWriter: compact separators, dataclass field order) produce
+# one canonical layout per file. A line in that layout is read with one regular expression
+# pass over the whole file, which is several times faster than json.loads; a file with any
+# other line (hand-edited, another writer, escapes in a string we need) is read as JSON.
+_STR = rb'("[^"\\\n]*"|null)'
+_NUM = rb"(-?[0-9][0-9.eE+-]*|null)"
+_SKIP_STR = rb'(?:"(?:[^"\\\n]|\\.)*"|null)'
+_SKIP_NUM = rb"(?:-?[0-9][0-9.eE+-]*|null)"
+# An object nested at most one level (a job script), or null; possessive, so no backtracking.
+_RAW = rb"(null|\{(?:[^{}\n]++|\{[^{}\n]*+\})*+\})"
+_RAW_LAST = rb"(\{[^\n]*\}|null)"
+_REST = rb"[^\n]*"
+
+FieldKind = Literal["str", "num", "raw"]
+
+
+@dataclass(frozen=True)
+class _Format:
+    pattern: re.Pattern[bytes]
+    fields: tuple[tuple[str, FieldKind], ...]  # captured groups, in order
+
+
+def _format(parts: Sequence[tuple[str, bytes]], *, rest: bool = False) -> _Format:
+    kinds: dict[bytes, FieldKind] = {_STR: "str", _NUM: "num", _RAW: "raw", _RAW_LAST: "raw"}
+    body = b",".join(b'"' + key.encode() + b'":' + value for key, value in parts)
+    if rest:
+        body += b"," + _REST
+    fields = tuple((key, kinds[value]) for key, value in parts if value in kinds)
+    return _Format(re.compile(rb"^\{" + body + rb"\}$", re.MULTILINE), fields)
+
+
+_DELIVERY_FORMAT = _format([
+    ("job_id", _STR), ("attempt", _NUM), ("account", _STR), ("worker", _STR),
+    ("target", _STR), ("received", _NUM), ("answered", _NUM), ("status", _NUM),
+    ("behaviour", _STR), ("seen", _SKIP_NUM), ("account_in_flight", _SKIP_NUM),
+])
+_EVENT_FORMAT = _format([
+    ("kind", _STR), ("worker", _STR), ("time", _NUM), ("job_id", _STR), ("attempt", _NUM),
+    ("data", _RAW_LAST),
+])
+_ENQUEUE_FORMAT = _format([
+    ("type", _STR), ("job_id", _STR), ("time", _NUM), ("process", _SKIP_STR),
+    ("account", _STR), ("target_url", _SKIP_STR), ("script", _RAW), ("max_attempts", _NUM),
+    ("run_at", _SKIP_NUM), ("error", _SKIP_STR),
+])
+_FINAL_FORMAT = _format([("job_id", _STR), ("account_id", _SKIP_STR), ("status", _STR)],
+                        rest=True)
+
 
 @contextmanager
 def _no_gc() -> Iterator[None]:
-    # Millions of small dicts make the cyclic collector run constantly while nothing here
+    # Millions of small objects make the cyclic collector run constantly while nothing here
     # creates cycles; pausing it halves the load time.
     was_enabled = gc.isenabled()
     gc.disable()
@@ -169,16 +218,16 @@ def _no_gc() -> Iterator[None]:
 class _Table:
     """Columns read from one or more JSON Lines files, with where each row came from."""
 
-    columns: dict[str, list[Any]]
-    source: list[tuple[str, int]]  # (file, first line number) per file appended
+    columns: dict[str, np.ndarray]
+    source: list[str]  # file per file appended
     rows_per_file: list[int]
 
     def where(self, row: int) -> str:
         """"file:line" of a row (blank lines aside, rows are lines)."""
         offset = row
-        for (name, first), count in zip(self.source, self.rows_per_file, strict=True):
+        for name, count in zip(self.source, self.rows_per_file, strict=True):
             if offset < count:
-                return f"{name}:{first + offset}"
+                return f"{name}:{1 + offset}"
             offset -= count
         return "?"
 
@@ -200,16 +249,8 @@ def _parse_slow(path: Path, data: bytes) -> list[dict[str, Any]]:
     return rows
 
 
-def _read_rows(path: Path) -> tuple[list[list[dict[str, Any]]], bool]:
-    """The records of a JSON Lines file in chunks, and whether its last line was cut off
-    (that line is dropped: the caller reports the history as incomplete)."""
-    data = path.read_bytes()
-    truncated = False
-    if data and not data.endswith(b"\n"):
-        truncated = True
-        data = data[: data.rfind(b"\n") + 1]
-    if not data:
-        return [], truncated
+def _json_chunks(path: Path, data: bytes) -> list[list[dict[str, Any]]]:
+    """The records of a file's complete lines, a chunk of lines per json.loads call."""
     lines = data[:-1].split(b"\n")
     chunks: list[list[dict[str, Any]]] = []
     for start in range(0, len(lines), _CHUNK_LINES):
@@ -224,9 +265,82 @@ def _read_rows(path: Path) -> tuple[list[list[dict[str, Any]]], bool]:
             or not all(type(r) is dict for r in rows)
         ):
             # Blank lines, a bad line, or a line holding two values: find out which.
-            return [_parse_slow(path, data)], truncated
+            return [_parse_slow(path, data)]
         chunks.append(rows)
-    return chunks, truncated
+    return chunks
+
+
+def _decode_strings(raw: list[bytes]) -> np.ndarray:
+    """Quoted JSON strings (or null) as an object array of str / None, decoding each
+    distinct value once."""
+    codes, uniques = pd.factorize(np.array(raw, dtype=object))
+    decoded = np.array(
+        [None if u == b"null" else (json.loads(u) if b"\\" in u else u[1:-1].decode())
+         for u in uniques] + [None],
+        dtype=object,
+    )
+    return decoded[codes]
+
+
+def _decode_numbers(raw: list[bytes]) -> np.ndarray | None:
+    array = np.array(raw, dtype=np.bytes_)
+    array[array == b"null"] = b"nan"
+    try:
+        return array.astype(np.float64)
+    except ValueError:
+        return None
+
+
+def _fast_columns(data: bytes, fmt: _Format, keys: Sequence[str]) -> dict[str, np.ndarray] | None:
+    """The columns of a file whose every line is in the canonical layout, else None."""
+    lines = data.count(b"\n")
+    matches = fmt.pattern.findall(data)
+    if len(matches) != lines:
+        return None
+    if not matches:
+        return {k: np.empty(0, dtype=object) for k in keys}
+    names = [name for name, _ in fmt.fields]
+    columns: dict[str, np.ndarray] = {}
+    groups: list[tuple[Any, ...]] = (
+        list(zip(*matches, strict=True)) if len(names) > 1 else [tuple(matches)])
+    for (name, kind), raw in zip(fmt.fields, groups, strict=True):
+        if name not in keys:
+            continue
+        values = list(raw)
+        if kind == "str":
+            columns[name] = _decode_strings(values)
+        elif kind == "num":
+            numbers = _decode_numbers(values)
+            if numbers is None:
+                return None
+            columns[name] = numbers
+        else:
+            column = np.array(values, dtype=object)
+            column[column == b"null"] = None
+            columns[name] = column
+    for key in keys:
+        if key not in columns:
+            columns[key] = np.full(len(matches), None, dtype=object)
+    return columns
+
+
+def _json_columns(path: Path, data: bytes, keys: Sequence[str]) -> dict[str, np.ndarray]:
+    pieces: dict[str, list[Any]] = {k: [] for k in keys}
+    for rows in _json_chunks(path, data):
+        try:
+            picked = list(map(itemgetter(*keys), rows)) if len(keys) > 1 else [
+                (r[keys[0]],) for r in rows]
+            for key, values in zip(keys, zip(*picked, strict=True), strict=True):
+                pieces[key].extend(values)
+        except KeyError:
+            for key in keys:
+                pieces[key].extend([r.get(key) for r in rows])
+    out: dict[str, np.ndarray] = {}
+    for key, collected in pieces.items():
+        column = np.empty(len(collected), dtype=object)
+        column[:] = collected
+        out[key] = column
+    return out
 
 
 class _Reader:
@@ -237,68 +351,75 @@ class _Reader:
         self.truncated: list[str] = []
 
     def table(self, paths: Sequence[Path], keys: Sequence[str],
-              data_keys: Sequence[str] = ()) -> _Table:
-        columns: dict[str, list[Any]] = {k: [] for k in (*keys, *data_keys)}
-        source: list[tuple[str, int]] = []
+              fmt: _Format | None = None) -> _Table:
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in keys}
         counts: list[int] = []
         with _no_gc():
             for path in paths:
-                chunks, truncated = _read_rows(path)
+                data = path.read_bytes()
                 self.files.append(str(path))
-                if truncated:
+                if data and not data.endswith(b"\n"):
+                    # Cut off mid-write: judge the complete lines, answer "unknown".
                     self.truncated.append(str(path))
-                total = 0
-                for rows in chunks:
-                    total += len(rows)
-                    _extend_columns(columns, rows, keys, data_keys)
-                    del rows
-                source.append((str(path), 1))
-                counts.append(total)
-        return _Table(columns=columns, source=source, rows_per_file=counts)
-
-
-def _extend_columns(columns: dict[str, list[Any]], rows: list[dict[str, Any]],
-                    keys: Sequence[str], data_keys: Sequence[str]) -> None:
-    """Append the rows' fields to the columns: one C-level getter per row when every row has
-    every key, `dict.get` otherwise."""
-    if not rows:
-        return
-    try:
-        picked = list(map(itemgetter(*keys), rows)) if len(keys) > 1 else [
-            (r[keys[0]],) for r in rows]
-    except KeyError:
-        picked = [tuple(r.get(k) for k in keys) for r in rows]
-    for key, values in zip(keys, zip(*picked, strict=True), strict=True):
-        columns[key].extend(values)
-    if data_keys:
-        datas = [r.get("data") for r in rows]
-        extra = [
-            tuple(d.get(k) for k in data_keys) if type(d) is dict else (None,) * len(data_keys)
-            for d in datas
-        ]
-        for key, values in zip(data_keys, zip(*extra, strict=True), strict=True):
-            columns[key].extend(values)
+                    data = data[: data.rfind(b"\n") + 1]
+                columns = None
+                if fmt is not None and data:
+                    columns = _fast_columns(data, fmt, keys)
+                if columns is None:
+                    columns = (_json_columns(path, data, keys) if data
+                               else {k: np.empty(0, dtype=object) for k in keys})
+                for key in keys:
+                    parts[key].append(columns[key])
+                counts.append(len(columns[keys[0]]))
+        merged = {
+            k: (np.concatenate(v) if len(v) > 1 else v[0]) if v
+            else np.empty(0, dtype=object)
+            for k, v in parts.items()
+        }
+        return _Table(columns=merged, source=[str(p) for p in paths], rows_per_file=counts)
 
 
 def _require_str(table: _Table, key: str, what: str) -> None:
-    for row, value in enumerate(table.columns[key]):
-        if not isinstance(value, str) or not value:
-            raise HistoryError(f"{table.where(row)}: {what} has no {key}")
+    values = table.columns[key]
+    bad = [i for i, v in enumerate(values.tolist()) if type(v) is not str or not v]
+    if bad:
+        raise HistoryError(f"{table.where(bad[0])}: {what} has no {key}")
 
 
 def _float_column(table: _Table, key: str, what: str, *, required: bool) -> np.ndarray:
     values = table.columns[key]
-    try:
-        array = np.array(values, dtype="float64")
-    except (TypeError, ValueError):
-        array = None
-    if array is None or (required and np.isnan(array).any()):
-        for row, value in enumerate(values):
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-            if not ok and (required or value is not None):
-                raise HistoryError(f"{table.where(row)}: {what} field {key} is not a number")
-        raise HistoryError(f"{table.source[0][0]}: {what} field {key} is not a number")
+    array: np.ndarray | None
+    if values.dtype == np.float64:
+        array = values
+    else:
+        ok_types = [v is None or (isinstance(v, int | float) and not isinstance(v, bool))
+                    for v in values.tolist()]
+        if not all(ok_types):
+            row = ok_types.index(False)
+            raise HistoryError(f"{table.where(row)}: {what} field {key} is not a number")
+        array = values.astype(np.float64)
+    if required and np.isnan(array).any():
+        row = int(np.flatnonzero(np.isnan(array))[0])
+        raise HistoryError(f"{table.where(row)}: {what} field {key} is not a number")
     return array
+
+
+def _data(value: Any) -> dict[str, Any]:
+    """A worker event's `data`, parsed on demand (the fast reader keeps it as bytes)."""
+    if type(value) is bytes:
+        try:
+            parsed = json.loads(value)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return {}
+        return parsed if isinstance(parsed, dict) else {}
+    return value if isinstance(value, dict) else {}
+
+
+def _write_result(value: Any) -> Any:
+    # A write's data is flat, so this byte string can only be its own result field.
+    if type(value) is bytes and b'"result":"applied"' in value:
+        return "applied"
+    return _data(value).get("result")
 
 
 # --------------------------------------------------------------------------------------------
@@ -422,6 +543,7 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     enq = reader.table(
         [main / ENQUEUES_FILE],
         ("type", "job_id", "time", "account", "script", "max_attempts"),
+        _ENQUEUE_FORMAT,
     )
     _require_str(enq, "type", "enqueue")
     _require_str(enq, "job_id", "enqueue")
@@ -438,17 +560,27 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     first = ~pd.Series(invoke_ids).duplicated().to_numpy()
     invoke_rows = invoke_rows[first]
     job_ids = pd.Index(ids.to_numpy()[invoke_rows], dtype=object)
-    max_attempts_raw = [enq.columns["max_attempts"][r] for r in invoke_rows]
-    for row, value in zip(invoke_rows.tolist(), max_attempts_raw, strict=True):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise HistoryError(f"{enq.where(row)}: invoke needs max_attempts >= 1")
-    scripts_raw = [enq.columns["script"][r] for r in invoke_rows]
-    keys = [_script_key(s) for s in scripts_raw]
+    max_attempts_all = enq.columns["max_attempts"][invoke_rows]
+    bad_max = [i for i, v in enumerate(max_attempts_all.tolist())
+               if not isinstance(v, int | float) or isinstance(v, bool) or v != v
+               or v < 1 or v != int(v)]
+    if bad_max:
+        raise HistoryError(f"{enq.where(int(invoke_rows[bad_max[0]]))}: invoke needs "
+                           "max_attempts >= 1")
+    max_attempts_raw = max_attempts_all.astype(np.int64)
+    scripts_raw = enq.columns["script"][invoke_rows].tolist()
+    # The fast reader keeps a script as its JSON text, which is its own key.
+    keys = [s if type(s) is bytes else _script_key(s) for s in scripts_raw]
     script_codes, uniques = pd.factorize(pd.Series(keys, dtype=object), use_na_sentinel=False)
     scripts: list[tuple[Any, dict[str, Any] | None]] = []
     for code in range(len(uniques)):
         at = int(np.flatnonzero(script_codes == code)[0])
         raw_script = scripts_raw[at]
+        if type(raw_script) is bytes:
+            try:
+                raw_script = json.loads(raw_script)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raw_script = "?"
         if raw_script is not None and not isinstance(raw_script, dict):
             raise HistoryError(f"{enq.where(int(invoke_rows[at]))}: script is not an object")
         scripts.append((uniques[code], raw_script))
@@ -466,7 +598,7 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     job_ack[fail_codes] = -1
     job_ack[info_codes] = 0
     job_ack[ok_codes] = 1
-    job_account = np.array([enq.columns["account"][r] for r in invoke_rows], dtype=object)
+    job_account = enq.columns["account"][invoke_rows]
     del enq
 
     # Deliveries, merged over every target of every directory.
@@ -475,7 +607,8 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     dl = reader.table(
         delivery_files,
         ("job_id", "attempt", "account", "worker", "target", "received", "answered", "status",
-         "behaviour", "seen"),
+         "behaviour"),
+        _DELIVERY_FORMAT,
     )
     _require_str(dl, "job_id", "delivery")
     deliveries = pd.DataFrame({
@@ -496,23 +629,21 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     worker_files = [p for d in dirs if (d / WORKERS_DIR).is_dir()
                     for p in _jsonl_files(d / WORKERS_DIR)]
     ev = reader.table(
-        worker_files,
-        ("kind", "worker", "time", "job_id", "attempt"),
-        ("result", "name", "lost", "locked_until", "error", "reason"),
-    )
+        worker_files, ("kind", "worker", "time", "job_id", "attempt", "data"), _EVENT_FORMAT)
     _require_str(ev, "kind", "worker event")
+    # Only writes need a field of `data` for every row; the rest is parsed for the few
+    # events that explain something.
+    result = np.full(len(ev.columns["kind"]), None, dtype=object)
+    writes = np.flatnonzero(ev.columns["kind"] == "write")
+    result[writes] = [_write_result(v) for v in ev.columns["data"][writes].tolist()]
     events = pd.DataFrame({
         "kind": pd.Series(ev.columns["kind"], dtype=object),
         "worker": pd.Series(ev.columns["worker"], dtype=object),
         "time": _float_column(ev, "time", "worker event", required=True),
         "job": job_ids.get_indexer(pd.Index(ev.columns["job_id"], dtype=object)),
         "attempt": _float_column(ev, "attempt", "worker event", required=False),
-        "result": pd.Series(ev.columns["result"], dtype=object),
-        "name": pd.Series(ev.columns["name"], dtype=object),
-        "lost": pd.Series(ev.columns["lost"], dtype=object),
-        "locked_until": pd.Series(ev.columns["locked_until"], dtype=object),
-        "error": pd.Series(ev.columns["error"], dtype=object),
-        "reason": pd.Series(ev.columns["reason"], dtype=object),
+        "result": result,
+        "data": ev.columns["data"],
     })
     del ev
 
@@ -521,7 +652,7 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     nemesis_files = [d / NEMESIS_FILE for d in dirs if (d / NEMESIS_FILE).is_file()]
     nem = reader.table(nemesis_files,
                        ("fault", "start", "end", "target", "job_id", "attempt", "skipped"))
-    if nem.columns["fault"]:
+    if len(nem.columns["fault"]):
         starts = _float_column(nem, "start", "fault", required=True)
         ends = _float_column(nem, "end", "fault", required=False)
         attempts = _float_column(nem, "attempt", "fault", required=False)
@@ -539,7 +670,7 @@ def _load(run_dirs: Sequence[Path]) -> _History:
             })
 
     # Final states.
-    fin = reader.table([main / FINAL_JOBS_FILE], ("job_id", "status"))
+    fin = reader.table([main / FINAL_JOBS_FILE], ("job_id", "status"), _FINAL_FORMAT)
     _require_str(fin, "job_id", "final job state")
     _require_str(fin, "status", "final job state")
     statuses = pd.Series(fin.columns["status"], dtype=object)
@@ -558,7 +689,7 @@ def _load(run_dirs: Sequence[Path]) -> _History:
         config=config,
         job_ids=job_ids,
         job_account=job_account,
-        job_max_attempts=np.array(max_attempts_raw, dtype=np.int64),
+        job_max_attempts=max_attempts_raw,
         job_script=np.asarray(script_codes, dtype=np.int64),
         scripts=scripts,
         job_ack=job_ack,
@@ -601,6 +732,19 @@ def _fmt(seconds: float) -> str:
     return f"{seconds:.3f}"
 
 
+_DATA_FIELDS = ("name", "lost", "locked_until", "error", "reason")
+
+
+def _with_data(rec: dict[str, Any]) -> dict[str, Any]:
+    """An event record with the fields of its `data` the explanations read."""
+    data = _data(rec.pop("data", None))
+    for key in _DATA_FIELDS:
+        rec[key] = data.get(key)
+    if rec.get("result") is None:
+        rec["result"] = data.get("result")
+    return rec
+
+
 class _Explainer:
     """Looks up, for one delivery, a recorded event that overlaps its attempt."""
 
@@ -613,14 +757,14 @@ class _Explainer:
         self.by_attempt: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
         for rec in _records(subset):
             if not math.isnan(rec["attempt"]):
-                self.by_attempt[(int(rec["job"]), int(rec["attempt"]))].append(rec)
+                self.by_attempt[(int(rec["job"]), int(rec["attempt"]))].append(
+                    _with_data(rec))
         # Worker-wide deaths: a failpoint or an error stop ends every lease the worker held.
-        deaths = ev[(ev["kind"] == "failpoint")
-                    | ((ev["kind"] == "stop")
-                       & ev["reason"].astype(str).str.startswith("error"))]
         self.deaths: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for rec in _records(deaths):
-            self.deaths[str(rec["worker"])].append(rec)
+        for rec in _records(ev[ev["kind"].isin(["failpoint", "stop"])]):
+            rec = _with_data(rec)
+            if rec["kind"] == "failpoint" or str(rec["reason"]).startswith("error"):
+                self.deaths[str(rec["worker"])].append(rec)
 
     def worker_of(self, job: int, attempt: float, header: Any) -> str | None:
         if isinstance(header, str) and header:
@@ -898,7 +1042,6 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
         max_claim[per_job.index.to_numpy()] = per_job.to_numpy()
     stale_candidates = applied[applied["attempt"].to_numpy()
                                < max_claim[applied["job"].to_numpy()]]
-    candidates_jobs.update(stale_candidates["job"].astype(int).tolist())
 
     explainer = _Explainer(h, np.array(sorted(candidates_jobs), dtype=np.int64), tolerance)
     cand_mask = np.isin(job, np.array(sorted(candidates_jobs), dtype=np.int64))
@@ -1147,11 +1290,11 @@ def check_run(run_dirs: Sequence[Path], *,
               tolerance_seconds: float = DEFAULT_TOLERANCE_SECONDS) -> Verdict:
     """Judge the run recorded in `run_dirs` (the first holds the run; the others add
     delivery, worker and fault logs). Raises HistoryError when the history cannot be read."""
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     history = _load(run_dirs)
-    loaded = time.perf_counter()
+    loaded, cpu_loaded = time.perf_counter(), time.process_time()
     found, unknown, details = _judge(history, tolerance_seconds)
-    judged = time.perf_counter()
+    judged, cpu_judged = time.perf_counter(), time.process_time()
     for path in history.truncated:
         unknown.append(f"{path} is truncated mid-line")
     if history.config.exit_reason != "completed":
@@ -1178,6 +1321,9 @@ def check_run(run_dirs: Sequence[Path], *,
             "load_seconds": round(loaded - started, 4),
             "judge_seconds": round(judged - loaded, 4),
             "total_seconds": round(judged - started, 4),
+            # CPU time of this process: on a shared machine, wall time includes waiting.
+            "load_cpu_seconds": round(cpu_loaded - cpu_started, 4),
+            "judge_cpu_seconds": round(cpu_judged - cpu_loaded, 4),
         },
     )
 

@@ -623,6 +623,29 @@ def test_mixed_history_counts_each_anomaly(tmp_path: Path) -> None:
     }
 
 
+def test_layout_does_not_change_the_verdict(tmp_path: Path) -> None:
+    """The same history written compactly (the writers' layout, read by the fast path) and
+    pretty-printed with reordered keys (read as plain JSON) gets the same verdict."""
+    b = RunBuilder(account_limits={"acct-0": 1})
+    _redelivered(b, first_write="info")
+    b.enqueue("gone", script=FAIL_ONCE)
+    b.enqueue("early", script=FAIL_ONCE)
+    b.attempt("early", 1, claimed=70.0, status=503, behaviour="status")
+    b.attempt("early", 2, claimed=70.05, latency=1.0)
+    b.final("early", "COMPLETED", attempts=2)
+    b.fault("kill_worker", 100.2, None, target="worker-0")
+    compact = b.write(tmp_path / "compact")
+    spaced = b.write(tmp_path / "spaced")
+    for path in spaced.rglob("*.jsonl"):
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(
+            json.dumps(dict(reversed(list(r.items())))) + "\n" for r in lines))
+    first, second = check_run([compact]), check_run([spaced])
+    assert first.counts == second.counts
+    assert first.examples == second.examples
+    assert anomalies(first) == {"duplicate_explained": 1, "lost": 1, "early_retry": 1}
+
+
 def test_examples_are_capped_at_ten(tmp_path: Path) -> None:
     b = RunBuilder()
     for n in range(25):
