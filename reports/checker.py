@@ -1227,6 +1227,16 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
                           f"{_label(rec['attempt'])} at {_fmt(rec['time'])}, after {w} "
                           f"claimed attempt {_label(a)} at {_fmt(t)}")
 
+    if n_jobs == 0:
+        unknown.append("no job was enqueued: there is nothing to judge")
+    # Every worker the target saw must have left its event log, or its faults are unknown.
+    silent = sorted(set(h.deliveries["worker"].dropna().unique().tolist())
+                    - set(h.events["worker"].dropna().unique().tolist()))
+    if silent and len(h.events):
+        shown = ", ".join(map(str, silent[:5])) + (" ..." if len(silent) > 5 else "")
+        unknown.append(f"no worker event log for {shown}, though the target saw its "
+                       "deliveries")
+
     found.counts["enqueued"] = int((acked == 1).sum())
     details = {
         "enqueue_invoked": n_jobs,

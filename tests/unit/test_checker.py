@@ -735,6 +735,24 @@ def test_deliveries_without_worker_events_are_unknown(tmp_path: Path) -> None:
     assert verdict.valid == "unknown"
 
 
+def test_worker_without_an_event_log_is_unknown(tmp_path: Path) -> None:
+    b = RunBuilder()
+    succeed_once(b, "a", 100.0)
+    b.enqueue("b", script=SUCCEED)
+    b.deliver("b", attempt=1, received=101.0, answered=101.01, worker="worker-9")
+    b.final("b", "COMPLETED")
+    verdict = check(b, tmp_path)
+    assert verdict.valid == "unknown"
+    assert verdict.unknown_reasons == (
+        "no worker event log for worker-9, though the target saw its deliveries",)
+
+
+def test_empty_history_is_unknown(tmp_path: Path) -> None:
+    verdict = check(RunBuilder(), tmp_path)
+    assert verdict.valid == "unknown"
+    assert verdict.unknown_reasons == ("no job was enqueued: there is nothing to judge",)
+
+
 def test_missing_nemesis_file_means_no_faults(tmp_path: Path) -> None:
     b = RunBuilder()
     succeed_once(b, "a", 100.0)
