@@ -280,7 +280,7 @@ def _write_final_jobs(path: Path, states: list[JobState]) -> None:
             writer.write(record)
 
 
-def _wait_drained(loop: _SampleLoop, spec: ScenarioSpec) -> bool:
+def _wait_drained(loop: _SampleLoop, spec: ScenarioSpec, pool: Any) -> bool:
     """True when the queue is quiescent, False when the drain timeout came first.
 
     Quiescent means every job is terminal, or, with recovery off, some jobs are stranded in
@@ -303,7 +303,8 @@ def _wait_drained(loop: _SampleLoop, spec: ScenarioSpec) -> bool:
             elif (not spec.recovery and stranded
                   and time.monotonic() - unchanged_since >= settle):
                 return True
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline or not any(pool.alive()):
+            # No worker left (failpoints, kills) means nothing more can drain either.
             return False
         time.sleep(0.2)
 
@@ -440,9 +441,14 @@ def run_scenario(
 
             phase("drain")
             drain_started = time.monotonic()
-            drained = _wait_drained(loop, spec)
+            drained = _wait_drained(loop, spec, pool)
             drain_seconds = time.monotonic() - drain_started
-            say("drained" if drained else f"drain timed out after {spec.drain_timeout:g} s")
+            if drained:
+                say("drained")
+            elif not any(pool.alive()):
+                say("drain stopped: every worker process has died")
+            else:
+                say(f"drain timed out after {spec.drain_timeout:g} s")
             pool.stop(grace_seconds=options.worker_grace_seconds)
             phase("")
             _write_final_jobs(run_dir / FINAL_JOBS_FILE, queue.snapshot())
