@@ -983,11 +983,12 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
     conc_rows = np.flatnonzero(received < prev_max_end)
     # Early retries: the delivery after one the worker saw fail transiently.
     n_for_policy = np.where(np.isnan(attempt), position, np.minimum(position, attempt))
-    n_for_policy = np.maximum(n_for_policy, 1)
-    base = float(cfg.retry.base_seconds)
-    exponent = np.minimum(n_for_policy - 1, 62)
-    min_delay = np.minimum(cfg.retry.cap_seconds, base * np.power(2.0, exponent)) * (
-        1.0 - cfg.retry.jitter)
+    n_for_policy = np.maximum(n_for_policy, 1).astype(np.int64)
+    # The policy itself decides each bound (a few distinct attempt numbers, looked up).
+    numbers = np.unique(n_for_policy)
+    bounds = np.array([cfg.retry.min_delay(int(n)) for n in numbers], dtype=np.float64)
+    min_delay = bounds[np.searchsorted(numbers, n_for_policy)] if len(numbers) else (
+        np.zeros(0))
     fail_seen = np.where(in_time, answered,
                          np.where(late | hang_forever, received + timeout - tolerance, received))
     gap_ok = next_received >= fail_seen + min_delay - tolerance
