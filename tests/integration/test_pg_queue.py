@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 from collections import defaultdict
@@ -16,7 +17,15 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from queue_impl.interface import Account, AttemptResult, JobStatus, NewJob, Outcome, WriteResult
+from queue_impl.interface import (
+    Account,
+    AttemptResult,
+    JobStatus,
+    NewJob,
+    Outcome,
+    QueueBackend,
+    WriteResult,
+)
 from queue_impl.pg import PgQueue
 from queue_impl.plugins import BackendSpec
 from queue_impl.sqlfile import SqlFileError
@@ -45,19 +54,39 @@ def queue(pg_dsn: str, fresh_schema: str) -> Iterator[PgQueue]:
 
 
 def in_processes(target: Any, args: list[tuple[Any, ...]]) -> list[Any]:
-    """Run `target` once per argument tuple, each call in its own process, all at once."""
-    ctx = multiprocess.get_context("spawn")
-    with ctx.Pool(len(args)) as pool:
-        result = pool.starmap_async(target, args)
+    """Run `target` once per argument tuple, each call in its own process, all at once: each
+    gets a barrier as its first argument, to pass once its connections are open, so that a
+    slow process start cannot turn the race into a queue. Fork is fine here: each child
+    builds its own queue from the spec and never touches the parent's connections."""
+    ctx = multiprocess.get_context("fork")
+    with ctx.Manager() as manager, ctx.Pool(len(args), initializer=_plain_child) as pool:
+        barrier = manager.Barrier(len(args), timeout=60)
+        result = pool.starmap_async(target, [(barrier, *a) for a in args])
         out: list[Any] = result.get(timeout=120)
+        pool.close()
+        pool.join()
     return out
+
+
+def _plain_child() -> None:
+    # A forked child must die on the pool's SIGTERM, whatever handler the parent installed.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def ready(queue: QueueBackend, barrier: Any) -> None:
+    """Open the queue's connections (a cheap call), then wait for every other process."""
+    queue.snapshot()
+    barrier.wait()
 
 
 # -- process bodies (each builds its queue from a picklable spec, inside the process) -------
 
 
-def claim_until_empty(spec: BackendSpec, worker: str, batch: int) -> list[tuple[str, str]]:
+def claim_until_empty(
+    barrier: Any, spec: BackendSpec, worker: str, batch: int
+) -> list[tuple[str, str]]:
     queue = spec.create()
+    ready(queue, barrier)
     taken: list[tuple[str, str]] = []
     try:
         empty_rounds = 0
@@ -71,16 +100,25 @@ def claim_until_empty(spec: BackendSpec, worker: str, batch: int) -> list[tuple[
     return taken
 
 
-def naive_claims(spec: BackendSpec, worker: str, rounds: int) -> int:
+def naive_claims(barrier: Any, spec: BackendSpec, worker: str, rounds: int) -> int:
     queue = spec.create()
+    ready(queue, barrier)
+    taken = 0
     try:
-        return sum(len(queue.claim(worker, 10, LEASE)) for _ in range(rounds))
+        for _ in range(rounds):
+            try:
+                taken += len(queue.claim(worker, 10, LEASE))
+            except psycopg.errors.DeadlockDetected:
+                # Also part of the anti-pattern: unordered updates of overlapping id sets.
+                continue
     finally:
         queue.close()
+    return taken
 
 
-def recover_until_empty(spec: BackendSpec) -> int:
+def recover_until_empty(barrier: Any, spec: BackendSpec) -> int:
     queue = spec.create()
+    ready(queue, barrier)
     moved = 0
     try:
         assert isinstance(queue, PgQueue)
@@ -93,11 +131,12 @@ def recover_until_empty(spec: BackendSpec) -> int:
 
 
 def claim_and_hold(
-    spec: BackendSpec, worker: str, hold_seconds: float
+    barrier: Any, spec: BackendSpec, worker: str, hold_seconds: float
 ) -> list[tuple[str, float, float]]:
     """Claim, 'execute' for a moment, complete; record each job's held interval as seen by
     this process (inside the queue's own [claim commit, finish commit] window)."""
     queue = spec.create()
+    ready(queue, barrier)
     intervals: list[tuple[str, float, float]] = []
     try:
         idle = 0
@@ -121,8 +160,9 @@ def claim_and_hold(
     return intervals
 
 
-def setup_schema(spec: BackendSpec) -> bool:
+def setup_schema(barrier: Any, spec: BackendSpec) -> bool:
     queue = spec.create()
+    barrier.wait()
     try:
         queue.setup()
     finally:
