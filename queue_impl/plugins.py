@@ -94,7 +94,13 @@ class BackendSpec:
                 variant=cast(Variant, self.name),
             )
         factory = load_factory(self.name)
-        backend = factory(dsn=self.dsn, schema=self.schema, sql_path=self.sql_path)
+        try:
+            backend = factory(dsn=self.dsn, schema=self.schema, sql_path=self.sql_path)
+        except TypeError as exc:
+            raise ValueError(
+                f"backend {self.name!r}: cannot be called as factory(dsn=..., schema=..., "
+                f"sql_path=...) ({_one_line(exc)})"
+            ) from exc
         if not isinstance(backend, QueueBackend):
             raise ValueError(
                 f"backend {self.name!r}: the factory returned {type(backend).__name__}, "

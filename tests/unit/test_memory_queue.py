@@ -1,7 +1,9 @@
-"""The in-memory model's basics (the contract suite covers the rest, beside the real queue)."""
+"""The in-memory model's basics (the contract suite covers the rest, beside the real queue),
+and choosing a backend by name."""
 
 from __future__ import annotations
 
+import pickle
 import threading
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -18,6 +20,8 @@ from queue_impl.interface import (
     WriteResult,
 )
 from queue_impl.memory import InMemoryQueue, factory
+from queue_impl.pg import PgQueue
+from queue_impl.plugins import BACKEND_NAMES, BackendSpec, validate_backend_name
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -123,3 +127,52 @@ def test_bad_arguments() -> None:
     job = new_job()
     with pytest.raises(ValueError):
         q.enqueue([job, job])
+
+
+# -- choosing a backend by name (queue_impl.plugins) -----------------------------------------
+
+
+def test_backend_spec_is_picklable_and_hides_the_password() -> None:
+    spec = BackendSpec(name="pg", dsn="postgresql://u:s3cret@127.0.0.1:5432/db", schema="s")
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    assert "s3cret" not in spec.display() and "s3cret" not in repr(spec)
+    assert "schema=s" in spec.display()
+
+
+def test_reference_names_build_pg_queues_lazily() -> None:
+    for name in BACKEND_NAMES:
+        validate_backend_name(name)
+        queue = BackendSpec(name=name, dsn="postgresql://127.0.0.1:9/none").create()
+        # Nothing connects until the queue is used.
+        assert isinstance(queue, PgQueue) and queue.name == name
+    with pytest.raises(ValueError, match="needs a PostgreSQL DSN"):
+        BackendSpec(name="pg").create()
+
+
+def test_factory_names_load_any_implementation() -> None:
+    spec = BackendSpec(name="queue_impl.memory:factory")
+    validate_backend_name(spec.name)
+    assert isinstance(spec.create(), InMemoryQueue)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("redis", "unknown backend 'redis'"),
+        ("pg-fast", "unknown backend"),
+        ("no_such_module_xyz:make", "cannot import no_such_module_xyz"),
+        ("queue_impl.memory:nothing_here", "has no callable 'nothing_here'"),
+        ("queue_impl.memory:", "unknown backend"),
+    ],
+)
+def test_unusable_backend_names_are_refused_in_one_line(name: str, expected: str) -> None:
+    with pytest.raises(ValueError) as info:
+        validate_backend_name(name)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_factory_must_return_a_queue_backend() -> None:
+    with pytest.raises(ValueError, match="does not implement QueueBackend"):
+        BackendSpec(name="builtins:dict").create()
+    with pytest.raises(ValueError, match="cannot be called as factory"):
+        BackendSpec(name="queue_impl.memory:FencedWrite").create()
