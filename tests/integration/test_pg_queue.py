@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -359,3 +360,43 @@ def test_partial_indexes_serve_the_claim_and_recovery(queue: PgQueue, pg_dsn: st
     recover_plan = "\n".join(queue.explain("recover", {"limit": 100}))
     assert "jobs_processing_lease" in recover_plan, recover_plan
     assert "Seq Scan on jobs" not in recover_plan, recover_plan
+
+
+def test_for_update_variant_waits_where_the_reference_skips(
+    queue: PgQueue, pg_dsn: str, fresh_schema: str
+) -> None:
+    now = datetime.now(UTC)
+    first, second = (
+        NewJob(id=uuid.uuid4(), account_id="a", target_url="http://t/", payload={}, run_at=at)
+        for at in (now - timedelta(seconds=2), now - timedelta(seconds=1))
+    )
+    queue.enqueue([first, second])
+    waiting = PgQueue(pg_dsn, schema=fresh_schema, variant="pg-for-update")
+    got: list[uuid.UUID] = []
+    claimer = threading.Thread(
+        target=lambda: got.extend(lease.job_id for lease in waiting.claim("w2", 1, LEASE))
+    )
+    with psycopg.connect(pg_dsn) as holder, psycopg.connect(pg_dsn, autocommit=True) as watch:
+        holder.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(fresh_schema)))
+        holder.execute("SELECT id FROM jobs WHERE id = %s FOR UPDATE", [first.id])
+        # The reference skips the locked row and takes the next one at once.
+        assert [lease.job_id for lease in queue.claim("w1", 1, LEASE)] == [second.id]
+        claimer.start()
+        try:
+            deadline = time.monotonic() + 30
+            blocked = False
+            while not blocked and time.monotonic() < deadline:
+                pid = waiting.backend_pids().get("lease")
+                row = watch.execute(
+                    "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid]
+                ).fetchone()
+                blocked = row is not None and row[0] == "Lock"
+                if not blocked:
+                    time.sleep(0.02)
+            assert blocked, "the FOR UPDATE claim should wait for the locked row"
+            assert got == []
+        finally:
+            holder.commit()
+            claimer.join(timeout=30)
+            waiting.close()
+    assert got == [first.id]
