@@ -152,8 +152,12 @@ def test_faulty_targets_pass_with_retries_dead_letters_and_explained_duplicates(
     assert statuses == {"COMPLETED", "FAILED"}
 
 
-def test_naive_backend_is_caught(pg_dsn: str, tmp_path: Path, no_leftovers: None) -> None:
-    result = _run(pg_dsn, tmp_path, "steady", ["workers=4", "rate=150"], backend="pg-naive")
+@pytest.mark.parametrize("seed", [1, 2])
+def test_naive_backend_is_caught_on_every_run(
+    pg_dsn: str, tmp_path: Path, no_leftovers: None, seed: int
+) -> None:
+    result = _run(pg_dsn, tmp_path, "steady", ["workers=4", "rate=150"], backend="pg-naive",
+                  seed=seed)
     counts = result.verdict.counts
     assert result.verdict.valid is False
     assert result.exit_code == 1
