@@ -53,6 +53,11 @@ CREATE INDEX IF NOT EXISTS jobs_processing_lease ON jobs (locked_until)
 -- The per-account active count in the claim reads only the jobs in flight.
 CREATE INDEX IF NOT EXISTS jobs_processing_account ON jobs (account_id)
     WHERE status = 'PROCESSING';
+-- "Does this limited account have due work?" (claim step 1) in one probe per account, instead
+-- of walking the whole pending backlog of the other accounts. (The retrying backlog is small;
+-- the planner reads it once through jobs_retrying.)
+CREATE INDEX IF NOT EXISTS jobs_pending_account ON jobs (account_id, run_at)
+    WHERE status = 'PENDING';
 
 -- One row per execution (per claim), keyed by its lease token: start, end, outcome, worker.
 CREATE TABLE IF NOT EXISTS job_attempts (

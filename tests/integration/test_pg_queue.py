@@ -357,6 +357,9 @@ def test_partial_indexes_serve_the_claim_and_recovery(queue: PgQueue, pg_dsn: st
     for index in ("jobs_pending", "jobs_retrying", "jobs_processing_account"):
         assert index in claim_plan, claim_plan
     assert "Seq Scan on jobs" not in claim_plan, claim_plan
+    lock_plan = "\n".join(queue.explain("claim_lock_accounts", {}))
+    assert "jobs_pending_account" in lock_plan, lock_plan
+    assert "Seq Scan on jobs" not in lock_plan, lock_plan
     recover_plan = "\n".join(queue.explain("recover", {"limit": 100}))
     assert "jobs_processing_lease" in recover_plan, recover_plan
     assert "Seq Scan on jobs" not in recover_plan, recover_plan

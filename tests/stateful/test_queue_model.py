@@ -228,8 +228,8 @@ def test_pg_queue_agrees_with_the_model(pg_dsn: str, prepared_schema: str) -> No
     run_state_machine_as_test(
         QueueAgreement,
         settings=settings(
-            max_examples=30,
-            stateful_step_count=30,
+            max_examples=50,
+            stateful_step_count=40,
             deadline=None,
             database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
