@@ -203,13 +203,16 @@ class PgQueue:
         self._pinned = when
         value = "" if when is None else when.isoformat()
         for role in list(self._conns):
+            if role is Role.LISTEN:
+                continue  # reads no clock, and may be blocked waiting for a notification
             with self._locks[role]:
                 conn = self._conns.get(role)
                 if conn is None or conn.closed:
                     continue
-                # A session-level setting; committed at once so a rollback cannot undo it.
+                # A session-level setting; committed at once so a rollback cannot undo it
+                # (except inside the long-tx variant's open claim, which finish() commits).
                 conn.execute("SELECT set_config('skiplock.now', %s, false)", [value])
-                if role is not Role.LISTEN and not (role is Role.LEASE and self._open_claim):
+                if not (role is Role.LEASE and self._open_claim):
                     conn.commit()
 
     def close(self) -> None:
