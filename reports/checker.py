@@ -156,10 +156,10 @@ _CHUNK_LINES = 200_000
 # one canonical layout per file. A line in that layout is read with one regular expression
 # pass over the whole file, which is several times faster than json.loads; a file with any
 # other line (hand-edited, another writer, escapes in a string we need) is read as JSON.
-_STR = rb'("[^"\\\n]*"|null)'
-_NUM = rb"(-?[0-9][0-9.eE+-]*|null)"
-_SKIP_STR = rb'(?:"(?:[^"\\\n]|\\.)*"|null)'
-_SKIP_NUM = rb"(?:-?[0-9][0-9.eE+-]*|null)"
+_STR = rb'("[^"\\\n]*+"|null)'
+_NUM = rb"(-?[0-9][0-9.eE+-]*+|null)"
+_SKIP_STR = rb'(?:"[^"\\\n]*+(?:\\.[^"\\\n]*+)*+"|null)'
+_SKIP_NUM = rb"(?:-?[0-9][0-9.eE+-]*+|null)"
 # An object nested at most one level (a job script), or null; possessive, so no backtracking.
 _RAW = rb"(null|\{(?:[^{}\n]++|\{[^{}\n]*+\})*+\})"
 _RAW_LAST = rb"(\{[^\n]*\}|null)"
@@ -270,19 +270,22 @@ def _json_chunks(path: Path, data: bytes) -> list[list[dict[str, Any]]]:
     return chunks
 
 
-def _decode_strings(raw: list[bytes]) -> np.ndarray:
-    """Quoted JSON strings (or null) as an object array of str / None, decoding each
-    distinct value once."""
-    codes, uniques = pd.factorize(np.array(raw, dtype=object))
-    decoded = np.array(
-        [None if u == b"null" else (json.loads(u) if b"\\" in u else u[1:-1].decode())
-         for u in uniques] + [None],
-        dtype=object,
-    )
-    return decoded[codes]
+def _decode_strings(raw: list[bytes]) -> np.ndarray | None:
+    """Quoted JSON strings (or null) as an object array of str / None. The layout admits
+    no escapes, so the text between the quotes is the string; None if it is not UTF-8."""
+    column = np.empty(len(raw), dtype=object)
+    try:
+        column[:] = [None if v == b"null" else v[1:-1].decode() for v in raw]
+    except UnicodeDecodeError:
+        return None
+    return column
 
 
 def _decode_numbers(raw: list[bytes]) -> np.ndarray | None:
+    try:
+        return np.fromiter(map(float, raw), np.float64, len(raw))
+    except ValueError:
+        pass  # nulls (or a malformed number): the slower route
     array = np.array(raw, dtype=np.bytes_)
     array[array == b"null"] = b"nan"
     try:
@@ -308,7 +311,10 @@ def _fast_columns(data: bytes, fmt: _Format, keys: Sequence[str]) -> dict[str, n
             continue
         values = list(raw)
         if kind == "str":
-            columns[name] = _decode_strings(values)
+            strings = _decode_strings(values)
+            if strings is None:
+                return None
+            columns[name] = strings
         elif kind == "num":
             numbers = _decode_numbers(values)
             if numbers is None:
