@@ -132,6 +132,8 @@ SELECT pg_notify(%(channel)s, '');
 -- name: claim_lock_accounts
 -- Step 1 of a claim (seed 1, section 9): lock the limited accounts that have due work, in id
 -- order. SKIP LOCKED: an account another claimer is deciding for is left to it this round.
+-- NO KEY UPDATE, not UPDATE: claimers still exclude each other, but the KEY SHARE lock that the
+-- jobs -> accounts foreign key takes on every enqueue does not wait behind a claim.
 SELECT a.id
 FROM accounts AS a
 WHERE a.concurrency_limit IS NOT NULL
@@ -147,7 +149,7 @@ WHERE a.concurrency_limit IS NOT NULL
       )
   )
 ORDER BY a.id
-FOR UPDATE OF a SKIP LOCKED;
+FOR NO KEY UPDATE OF a SKIP LOCKED;
 
 -- name: claim
 -- Step 2 of a claim, a separate statement in the same transaction. Under READ COMMITTED it
@@ -243,7 +245,7 @@ WHERE a.concurrency_limit IS NOT NULL
       )
   )
 ORDER BY a.id
-FOR UPDATE OF a;
+FOR NO KEY UPDATE OF a;
 
 -- name: claim_wait
 -- The pg-for-update variant's step 2: the reference claim with FOR UPDATE and no SKIP LOCKED.
