@@ -1076,8 +1076,10 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
         job_id = h.job_ids[j]
         if dup_why is None:
             found.add("duplicate_unexplained", job_id,
-                      f"2xx delivered again at {_fmt(received[i])} with nothing recorded "
-                      f"to explain the redelivery of attempt {_label(attempt[earlier])}")
+                      f"2xx delivered again at {_fmt(received[i])} (attempt "
+                      f"{_label(attempt[i])} by {records[i]['worker']}) after attempt "
+                      f"{_label(attempt[earlier])} by {records[earlier]['worker']} succeeded "
+                      f"at {_fmt(received[earlier])}; nothing recorded explains it")
         else:
             explained_extra[j] += 1
             explained_dups.add(int(i))

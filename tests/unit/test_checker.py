@@ -310,8 +310,8 @@ def test_duplicate_unexplained(tmp_path: Path) -> None:
     assert verdict.valid is False
     assert anomalies(verdict) == {"duplicate_unexplained": 1}
     assert whys(verdict, "duplicate_unexplained") == [
-        "2xx delivered again at 110.501 with nothing recorded to explain the redelivery of "
-        "attempt 1"]
+        "2xx delivered again at 110.501 (attempt 2 by worker-1) after attempt 1 by worker-0 "
+        "succeeded at 100.001; nothing recorded explains it"]
 
 
 def test_concurrent_deliveries_of_a_double_claim(tmp_path: Path) -> None:
