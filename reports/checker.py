@@ -761,10 +761,12 @@ class _Explainer:
         ev = history.events
         subset = ev[ev["job"].isin(jobs)] if len(jobs) else ev.iloc[:0]
         self.by_attempt: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+        self.attempts_of: dict[int, set[int]] = defaultdict(set)
         for rec in _records(subset):
             if not math.isnan(rec["attempt"]):
-                self.by_attempt[(int(rec["job"]), int(rec["attempt"]))].append(
-                    _with_data(rec))
+                key = (int(rec["job"]), int(rec["attempt"]))
+                self.by_attempt[key].append(_with_data(rec))
+                self.attempts_of[key[0]].add(key[1])
         # Worker-wide deaths: a failpoint or an error stop ends every lease the worker held.
         self.deaths: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for rec in _records(ev[ev["kind"].isin(["failpoint", "stop"])]):
@@ -866,10 +868,8 @@ class _Explainer:
     def fault_touched(self, job: int, job_id: str) -> str | None:
         """A recorded fault that hit one of this job's attempts without a delivery to show
         for it (a crash after claim, a kill before the call)."""
-        for (j, attempt), recs in self.by_attempt.items():
-            if j != job:
-                continue
-            for rec in recs:
+        for attempt in sorted(self.attempts_of.get(job, ())):
+            for rec in self.by_attempt[(job, attempt)]:
                 if rec["kind"] == "failpoint":
                     return f"failpoint {rec['name']} fired for attempt {attempt}"
                 if rec["kind"] == "claim":
