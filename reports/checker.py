@@ -827,8 +827,9 @@ class _Explainer:
                     return (f"worker {rec['worker']} recorded an HTTP {rec['result']} "
                             f"for attempt {label}")
                 if rec["kind"] == "write" and rec["result"] == "info":
+                    error = f" ({rec['error']})" if rec["error"] else ""
                     return (f"connection lost during the result write of attempt {label} "
-                            f"by {rec['worker']} ({rec['error']})")
+                            f"by {rec['worker']}{error}")
                 if rec["kind"] == "failpoint":
                     return (f"failpoint {rec['name']} fired in {rec['worker']} at "
                             f"{_fmt(rec['time'])} for attempt {label}")
