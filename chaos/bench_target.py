@@ -12,12 +12,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.metadata
 import json
 import os
-import platform
-import subprocess
-import sys
 import tempfile
 import time
 from array import array
@@ -27,6 +23,7 @@ from typing import Any
 from chaos.target import TargetProcess
 from queue_impl.interface import ACCOUNT_HEADER, ATTEMPT_HEADER, JOB_ID_HEADER, WORKER_HEADER
 from reports.history import SUCCEED, write_json
+from reports.selfdescribe import describe
 from scenarios.errors import HarnessError, UsageError
 
 
@@ -154,42 +151,6 @@ def _load_main(
 # ----------------------------------------------------------------------------------------------
 
 
-def _git_info() -> dict[str, Any]:
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*argv: str) -> str | None:
-        try:
-            done = subprocess.run(
-                ["git", *argv], cwd=root, capture_output=True, text=True, timeout=10, check=True
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip()
-
-    sha = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain")
-    return {"sha": sha, "dirty": None if status is None else bool(status)}
-
-
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def describe_machine() -> dict[str, Any]:
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return {
-        "hostname": platform.node(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "load_average_at_start": None if load is None else [round(x, 2) for x in load],
-    }
-
-
 def _cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds a process has used (Linux /proc), None elsewhere."""
     try:
@@ -262,7 +223,7 @@ def bench(
             f"--concurrency {concurrency} is less than --load-processes {load_processes}; "
             "give each load process at least one request in flight"
         )
-    machine = describe_machine()
+    description = describe()
     started = time.time()
     ctx = multiprocess.get_context("spawn")
     shares = [concurrency // load_processes + (1 if i < concurrency % load_processes else 0)
@@ -326,14 +287,7 @@ def bench(
             "target_stats": target_stats,
             "delivery_log_bytes": log_bytes,
         },
-        "machine": machine,
-        "python": {
-            "version": platform.python_version(),
-            "implementation": platform.python_implementation(),
-            "executable": sys.executable,
-        },
-        "versions": {name: _version(name) for name in ("skiplock", "aiohttp", "multiprocess")},
-        "git": _git_info(),
+        **description,
         "notes": "The target records every delivery with one write() and no fsync; load "
         "and target share the machine's cores.",
     }

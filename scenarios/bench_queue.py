@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +30,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from reports.selfdescribe import describe
 from scenarios.errors import HarnessError, UsageError
 from scenarios.provision import PgServer, pg_binary, postgres
 
@@ -146,8 +145,7 @@ def run(args: argparse.Namespace) -> int:
         "durable": settings["durable"],
         "postgres": settings,
         "server": {"kind": server.kind, "dsn": server.display},
-        "machine": machine_info(),
-        "git": git_info(),
+        **describe(),
         "enqueue": result["enqueue"],
         "queue": asdict(result["queue"]),
         "ceiling": asdict(result["ceiling"]),
@@ -563,54 +561,3 @@ def _read_pgbench_logs(folder: Path) -> list[float]:
     return out
 
 
-# --- self-description ----------------------------------------------------------------------
-
-
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        mem_kib = next(
-            int(line.split()[1])
-            for line in Path("/proc/meminfo").read_text().splitlines()
-            if line.startswith("MemTotal:")
-        )
-    except (OSError, StopIteration, ValueError):
-        mem_kib = None
-    return {
-        "hostname": platform.node(),
-        "system": f"{platform.system()} {platform.release()}",
-        "machine": platform.machine(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "memory_gib": None if mem_kib is None else round(mem_kib / 1024 / 1024, 1),
-        "python": platform.python_version(),
-        "psycopg": psycopg.__version__,
-        "load_average": list(os.getloadavg()),
-    }
-
-
-def git_info(root: Path = REPO_ROOT) -> dict[str, Any]:
-    """The commit and whether the tree had uncommitted changes (None outside a git tree)."""
-    git = shutil.which("git")
-    if git is None:
-        return {"sha": None, "dirty": None}
-
-    def call(*args: str) -> str | None:
-        try:
-            done = subprocess.run(
-                [git, *args], cwd=root, capture_output=True, text=True, timeout=10, check=False
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    sha = call("rev-parse", "HEAD")
-    status = call("status", "--porcelain", "--untracked-files=no")
-    return {"sha": sha, "dirty": None if status is None else bool(status)}

@@ -45,7 +45,7 @@ from reports.history import (
     to_record,
     write_json,
 )
-from scenarios import selfdescribe
+from reports.selfdescribe import describe
 from scenarios.errors import HarnessError, UsageError
 from scenarios.progress import Observer, Sample, Sampler, SampleWriter
 from scenarios.provision import PgServer, postgres, redact_dsn
@@ -392,7 +392,7 @@ def run_scenario(
             say(f"PostgreSQL: {server.kind} {server.display}")
             backend_spec = BackendSpec(name=options.backend, dsn=server.dsn, schema=schema,
                                        sql_path=options.sql_path)
-            description = selfdescribe.describe(server.dsn)
+            description = describe(server.dsn)
             with contextlib.suppress(Exception):
                 description["postgres"]["harness"] = server.settings()
             description["postgres"]["dsn"] = redact_dsn(server.dsn)

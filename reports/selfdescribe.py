@@ -1,5 +1,8 @@
 """Self-description for result files: machine, Python, package versions, PostgreSQL version
 and settings, git sha and dirty flag. A number without these cannot be compared with another.
+
+One module for every writer (run directories and all benchmarks), in `reports` because that is
+the layer `scenarios`, `chaos` and `reports` itself may all import.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ PACKAGES = (
     "multiprocess",
     "aiohttp",
     "pandas",
+    "numpy",
+    "pyarrow",
     "pgserver",
 )
 
@@ -42,14 +47,37 @@ PG_SETTINGS = (
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 1024 / 1024, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def machine() -> dict[str, Any]:
+    """The machine now, load average included: a figure taken on a busy machine says so."""
     return {
         "hostname": platform.node(),
         "system": platform.system(),
         "release": platform.release(),
         "machine": platform.machine(),
-        "processor": platform.processor(),
+        "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
+        "memory_gib": _memory_gib(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
     }
 
 
