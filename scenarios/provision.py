@@ -38,6 +38,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from queue_impl.plugins import redact
 from scenarios.errors import HarnessError, UsageError
 
 DSN_ENV = "SKIPLOCK_PG_DSN"
@@ -74,13 +75,7 @@ OWNER_FILE = "harness.pid"
 
 def redact_dsn(dsn: str) -> str:
     """The DSN with any password replaced, safe for logs and reports."""
-    try:
-        params = conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError:
-        return "<unparsable DSN>"
-    if "password" in params:
-        params["password"] = "***"
-    return make_conninfo(**{k: str(v) for k, v in params.items() if v is not None})
+    return redact(dsn)
 
 
 def _scrub(text: str, dsn: str) -> str:
