@@ -18,22 +18,23 @@ an event a little after it happened, so time comparisons allow `tolerance_second
 
 from __future__ import annotations
 
-import gc
 import json
 import math
-import re
+import os
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from operator import itemgetter
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow.compute as pc  # type: ignore[import-untyped]
+import pyarrow.json as pajson  # type: ignore[import-untyped]
 
 from queue_impl.interface import JobStatus
 from queue_impl.retry import RetryPolicy
@@ -147,89 +148,102 @@ def write_verdict(run_dir: Path, verdict: Verdict) -> Path:
 
 
 # --------------------------------------------------------------------------------------------
-# Reading: a fast JSON Lines loader (one json.loads per chunk of lines, collector paused).
+# Reading: JSON Lines through Arrow's reader, files in parallel; line by line only to name
+# a bad line.
 # --------------------------------------------------------------------------------------------
 
-_CHUNK_LINES = 200_000
+_BLOCK_BYTES = 8 << 20  # Arrow parses a file in blocks; a line must fit in one
 
-# The writers in this package (JsonlWriter: compact separators, dataclass field order) produce
-# one canonical layout per file. A line in that layout is read with one regular expression
-# pass over the whole file, which is several times faster than json.loads; a file with any
-# other line (hand-edited, another writer, escapes in a string we need) is read as JSON.
-_STR = rb'("[^"\\\n]*+"|null)'
-_NUM = rb"(-?[0-9][0-9.eE+-]*+|null)"
-_SKIP_STR = rb'(?:"[^"\\\n]*+(?:\\.[^"\\\n]*+)*+"|null)'
-_SKIP_NUM = rb"(?:-?[0-9][0-9.eE+-]*+|null)"
-# An object nested at most one level (a job script), or null; possessive, so no backtracking.
-_RAW = rb"(null|\{(?:[^{}\n]++|\{[^{}\n]*+\})*+\})"
-_RAW_LAST = rb"(\{[^\n]*\}|null)"
-_REST = rb"[^\n]*"
-
-FieldKind = Literal["str", "num", "raw"]
-
-
-@dataclass(frozen=True)
-class _Format:
-    pattern: re.Pattern[bytes]
-    fields: tuple[tuple[str, FieldKind], ...]  # captured groups, in order
-
-
-def _format(parts: Sequence[tuple[str, bytes]], *, rest: bool = False) -> _Format:
-    kinds: dict[bytes, FieldKind] = {_STR: "str", _NUM: "num", _RAW: "raw", _RAW_LAST: "raw"}
-    body = b",".join(b'"' + key.encode() + b'":' + value for key, value in parts)
-    if rest:
-        body += b"," + _REST
-    fields = tuple((key, kinds[value]) for key, value in parts if value in kinds)
-    return _Format(re.compile(rb"^\{" + body + rb"\}$", re.MULTILINE), fields)
-
-
-_DELIVERY_FORMAT = _format([
-    ("job_id", _STR), ("attempt", _NUM), ("account", _STR), ("worker", _STR),
-    ("target", _STR), ("received", _NUM), ("answered", _NUM), ("status", _NUM),
-    ("behaviour", _STR), ("seen", _SKIP_NUM), ("account_in_flight", _SKIP_NUM),
+_STEP = pa.struct([("behaviour", pa.string()), ("status", pa.float64()),
+                   ("seconds", pa.float64())])
+_ENQUEUE_SCHEMA = pa.schema([
+    ("type", pa.string()), ("job_id", pa.string()), ("account", pa.string()),
+    ("max_attempts", pa.float64()),
+    ("script", pa.struct([("name", pa.string()), ("first", _STEP), ("times", pa.float64()),
+                          ("then", _STEP)])),
 ])
-_EVENT_FORMAT = _format([
-    ("kind", _STR), ("worker", _STR), ("time", _NUM), ("job_id", _STR), ("attempt", _NUM),
-    ("data", _RAW_LAST),
+_DELIVERY_SCHEMA = pa.schema([
+    ("job_id", pa.string()), ("attempt", pa.float64()), ("account", pa.string()),
+    ("worker", pa.string()), ("target", pa.string()), ("received", pa.float64()),
+    ("answered", pa.float64()), ("status", pa.float64()), ("behaviour", pa.string()),
 ])
-_ENQUEUE_FORMAT = _format([
-    ("type", _STR), ("job_id", _STR), ("time", _NUM), ("process", _SKIP_STR),
-    ("account", _STR), ("target_url", _SKIP_STR), ("script", _RAW), ("max_attempts", _NUM),
-    ("run_at", _SKIP_NUM), ("error", _SKIP_STR),
-])
-_FINAL_FORMAT = _format([("job_id", _STR), ("account_id", _SKIP_STR), ("status", _STR)],
-                        rest=True)
 
 
-@contextmanager
-def _no_gc() -> Iterator[None]:
-    # Millions of small objects make the cyclic collector run constantly while nothing here
-    # creates cycles; pausing it halves the load time.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
+def _event_schema(locked_until: pa.DataType) -> pa.Schema:
+    data = pa.struct([("result", pa.string()), ("name", pa.string()), ("lost", pa.bool_()),
+                      ("locked_until", locked_until), ("error", pa.string()),
+                      ("reason", pa.string())])
+    return pa.schema([("kind", pa.string()), ("worker", pa.string()), ("time", pa.float64()),
+                      ("job_id", pa.string()), ("attempt", pa.float64()), ("data", data)])
+
+
+# The dispatcher writes lease ends as ISO text, the synthetic histories as epoch seconds.
+_EVENT_SCHEMAS = (_event_schema(pa.string()), _event_schema(pa.float64()))
+_FAULT_SCHEMA = pa.schema([
+    ("fault", pa.string()), ("start", pa.float64()), ("end", pa.float64()),
+    ("target", pa.string()), ("job_id", pa.string()), ("attempt", pa.float64()),
+    ("skipped", pa.string()),
+])
+_FINAL_SCHEMA = pa.schema([("job_id", pa.string()), ("status", pa.string())])
+
+
+def _without_nulls(value: Any) -> Any:
+    """A struct read by Arrow has every field of its schema; leave out the absent (null)
+    ones, as they were in the file."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return value
 
 
 @dataclass
-class _Table:
-    """Columns read from one or more JSON Lines files, with where each row came from."""
+class _Nested:
+    """A column of JSON objects: Arrow struct columns (one per file, parsed on demand) or,
+    for a file read line by line, Python values."""
 
+    parts: list[pa.ChunkedArray | list[Any]]
+    starts: np.ndarray  # first row of each part
+
+    def pick(self, rows: np.ndarray) -> list[Any]:
+        """The values of `rows` (ascending), as Python dicts (or whatever the line held)."""
+        out: list[Any] = []
+        which = np.searchsorted(self.starts, rows, side="right") - 1
+        for k in np.unique(which).tolist():
+            local = rows[which == k] - self.starts[k]
+            part = self.parts[k]
+            if isinstance(part, list):
+                out.extend(part[i] for i in local.tolist())
+            else:
+                out.extend(map(_without_nulls, part.take(pa.array(local)).to_pylist()))
+        return out
+
+    def field(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """One field of the objects at `rows` (ascending), None where absent."""
+        values = np.full(len(rows), None, dtype=object)
+        which = np.searchsorted(self.starts, rows, side="right") - 1
+        for k in np.unique(which).tolist():
+            at = which == k
+            local = rows[at] - self.starts[k]
+            part = self.parts[k]
+            if isinstance(part, list):
+                values[at] = [_data(part[i]).get(name) for i in local.tolist()]
+            elif part.type.get_field_index(name) >= 0:
+                column = pc.struct_field(part.take(pa.array(local)), name)
+                values[at] = column.to_numpy(zero_copy_only=False)
+        return values
+
+
+@dataclass
+class _Part:
+    """One file's columns: numbers as float64 (NaN for null), strings as object arrays,
+    `job_id` kept in Arrow (it is only ever looked up), objects as `_Nested` parts."""
+
+    path: Path
+    rows: int
+    typed: bool  # read by Arrow: strings are str or None, numbers are numbers
+    truncated: bool
     columns: dict[str, np.ndarray]
-    source: list[str]  # file per file appended
-    rows_per_file: list[int]
-
-    def where(self, row: int) -> str:
-        """"file:line" of a row (blank lines aside, rows are lines)."""
-        offset = row
-        for name, count in zip(self.source, self.rows_per_file, strict=True):
-            if offset < count:
-                return f"{name}:{1 + offset}"
-            offset -= count
-        return "?"
+    job_id: pa.ChunkedArray
+    nested: dict[str, pa.ChunkedArray | list[Any]]
 
 
 def _parse_slow(path: Path, data: bytes) -> list[dict[str, Any]]:
@@ -249,183 +263,194 @@ def _parse_slow(path: Path, data: bytes) -> list[dict[str, Any]]:
     return rows
 
 
-def _json_chunks(path: Path, data: bytes) -> list[list[dict[str, Any]]]:
-    """The records of a file's complete lines, a chunk of lines per json.loads call."""
-    lines = data[:-1].split(b"\n")
-    chunks: list[list[dict[str, Any]]] = []
-    for start in range(0, len(lines), _CHUNK_LINES):
-        part = lines[start : start + _CHUNK_LINES]
-        try:
-            rows = json.loads(b"[" + b",".join(part) + b"]")
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            rows = None
-        if (
-            not isinstance(rows, list)
-            or len(rows) != len(part)
-            or not all(type(r) is dict for r in rows)
-        ):
-            # Blank lines, a bad line, or a line holding two values: find out which.
-            return [_parse_slow(path, data)]
-        chunks.append(rows)
-    return chunks
+def _strings(column: pa.ChunkedArray) -> np.ndarray:
+    """An Arrow string column (of few distinct values) as an object array of str / None,
+    through its dictionary so that each string object is made once."""
+    if len(column) == 0:
+        return np.empty(0, dtype=object)
+    encoded = column.combine_chunks().dictionary_encode()
+    labels = np.append(encoded.dictionary.to_numpy(zero_copy_only=False), np.array([None]))
+    codes = encoded.indices.fill_null(len(labels) - 1).to_numpy()
+    return cast(np.ndarray, labels[codes])
 
 
-def _decode_strings(raw: list[bytes]) -> np.ndarray | None:
-    """Quoted JSON strings (or null) as an object array of str / None. The layout admits
-    no escapes, so the text between the quotes is the string; None if it is not UTF-8."""
-    column = np.empty(len(raw), dtype=object)
-    try:
-        column[:] = [None if v == b"null" else v[1:-1].decode() for v in raw]
-    except UnicodeDecodeError:
-        return None
-    return column
-
-
-def _decode_numbers(raw: list[bytes]) -> np.ndarray | None:
-    try:
-        return np.fromiter(map(float, raw), np.float64, len(raw))
-    except ValueError:
-        pass  # nulls (or a malformed number): the slower route
-    array = np.array(raw, dtype=np.bytes_)
-    array[array == b"null"] = b"nan"
-    try:
-        return array.astype(np.float64)
-    except ValueError:
-        return None
-
-
-def _fast_columns(data: bytes, fmt: _Format, keys: Sequence[str]) -> dict[str, np.ndarray] | None:
-    """The columns of a file whose every line is in the canonical layout, else None."""
-    lines = data.count(b"\n")
-    matches = fmt.pattern.findall(data)
-    if len(matches) != lines:
-        return None
-    if not matches:
-        return {k: np.empty(0, dtype=object) for k in keys}
-    names = [name for name, _ in fmt.fields]
+def _arrow_part(path: Path, table: pa.Table, truncated: bool) -> _Part:
     columns: dict[str, np.ndarray] = {}
-    groups: list[tuple[Any, ...]] = (
-        list(zip(*matches, strict=True)) if len(names) > 1 else [tuple(matches)])
-    for (name, kind), raw in zip(fmt.fields, groups, strict=True):
-        if name not in keys:
-            continue
-        values = list(raw)
-        if kind == "str":
-            strings = _decode_strings(values)
-            if strings is None:
-                return None
-            columns[name] = strings
-        elif kind == "num":
-            numbers = _decode_numbers(values)
-            if numbers is None:
-                return None
-            columns[name] = numbers
-        else:
-            column = np.array(values, dtype=object)
-            column[column == b"null"] = None
-            columns[name] = column
-    for key in keys:
-        if key not in columns:
-            columns[key] = np.full(len(matches), None, dtype=object)
-    return columns
+    nested: dict[str, pa.ChunkedArray | list[Any]] = {}
+    for f in table.schema:
+        column = table.column(f.name)
+        if pa.types.is_struct(f.type):
+            nested[f.name] = column
+        elif pa.types.is_floating(f.type):
+            columns[f.name] = column.to_numpy()
+        elif f.name != "job_id":
+            columns[f.name] = _strings(column)
+    return _Part(path=path, rows=table.num_rows, typed=True, truncated=truncated,
+                 columns=columns, job_id=table.column("job_id"), nested=nested)
 
 
-def _json_columns(path: Path, data: bytes, keys: Sequence[str]) -> dict[str, np.ndarray]:
-    pieces: dict[str, list[Any]] = {k: [] for k in keys}
-    for rows in _json_chunks(path, data):
+def _python_part(path: Path, rows: list[dict[str, Any]], schema: pa.Schema,
+                 truncated: bool) -> _Part:
+    columns: dict[str, np.ndarray] = {}
+    nested: dict[str, pa.ChunkedArray | list[Any]] = {}
+    for f in schema:
+        if pa.types.is_struct(f.type):
+            nested[f.name] = [r.get(f.name) for r in rows]
+        elif f.name != "job_id":
+            values = np.empty(len(rows), dtype=object)
+            values[:] = [r.get(f.name) for r in rows]
+            columns[f.name] = values
+    ids = [r.get("job_id") for r in rows]
+    job_id = pa.chunked_array([pa.array([v if type(v) is str else None for v in ids],
+                                        pa.string())])
+    return _Part(path=path, rows=len(rows), typed=False, truncated=truncated,
+                 columns=columns, job_id=job_id, nested=nested)
+
+
+def _read_part(path: Path, schemas: Sequence[pa.Schema]) -> _Part:
+    data = path.read_bytes()
+    truncated = bool(data) and not data.endswith(b"\n")
+    if truncated:
+        # Cut off mid-write: judge the complete lines, answer "unknown".
+        data = data[: data.rfind(b"\n") + 1]
+    if not data:
+        return _arrow_part(path, schemas[0].empty_table(), truncated)
+    lines = data.count(b"\n")
+    for schema in schemas:
         try:
-            picked = list(map(itemgetter(*keys), rows)) if len(keys) > 1 else [
-                (r[keys[0]],) for r in rows]
-            for key, values in zip(keys, zip(*picked, strict=True), strict=True):
-                pieces[key].extend(values)
-        except KeyError:
-            for key in keys:
-                pieces[key].extend([r.get(key) for r in rows])
-    out: dict[str, np.ndarray] = {}
-    for key, collected in pieces.items():
-        column = np.empty(len(collected), dtype=object)
-        column[:] = collected
-        out[key] = column
-    return out
+            table = pajson.read_json(
+                pa.BufferReader(pa.py_buffer(data)),
+                read_options=pajson.ReadOptions(block_size=_BLOCK_BYTES),
+                parse_options=pajson.ParseOptions(explicit_schema=schema,
+                                                  unexpected_field_behavior="ignore"),
+            )
+        except (pa.ArrowInvalid, UnicodeDecodeError):
+            continue
+        # Blank lines or two objects on a line would shift line numbers: read those slowly.
+        if table.num_rows == lines:
+            return _arrow_part(path, table, truncated)
+    return _python_part(path, _parse_slow(path, data), schemas[0], truncated)
 
 
-class _Reader:
-    """Reads the files of a run, remembering which were read and which were cut off."""
-
-    def __init__(self) -> None:
-        self.files: list[str] = []
-        self.truncated: list[str] = []
-
-    def table(self, paths: Sequence[Path], keys: Sequence[str],
-              fmt: _Format | None = None) -> _Table:
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in keys}
-        counts: list[int] = []
-        with _no_gc():
-            for path in paths:
-                data = path.read_bytes()
-                self.files.append(str(path))
-                if data and not data.endswith(b"\n"):
-                    # Cut off mid-write: judge the complete lines, answer "unknown".
-                    self.truncated.append(str(path))
-                    data = data[: data.rfind(b"\n") + 1]
-                columns = None
-                if fmt is not None and data:
-                    columns = _fast_columns(data, fmt, keys)
-                if columns is None:
-                    columns = (_json_columns(path, data, keys) if data
-                               else {k: np.empty(0, dtype=object) for k in keys})
-                for key in keys:
-                    parts[key].append(columns[key])
-                counts.append(len(columns[keys[0]]))
-        merged = {
-            k: (np.concatenate(v) if len(v) > 1 else v[0]) if v
-            else np.empty(0, dtype=object)
-            for k, v in parts.items()
-        }
-        return _Table(columns=merged, source=[str(p) for p in paths], rows_per_file=counts)
+def _read_parts(jobs: Sequence[tuple[Path, Sequence[pa.Schema]]]) -> list[_Part]:
+    """Every file, read in parallel (Arrow parses without the GIL), in the given order."""
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        futures = [pool.submit(_read_part, path, schemas) for path, schemas in jobs]
+        return [f.result() for f in futures]
 
 
-def _require_str(table: _Table, key: str, what: str) -> None:
-    values = table.columns[key]
-    bad = [i for i, v in enumerate(values.tolist()) if type(v) is not str or not v]
-    if bad:
-        raise HistoryError(f"{table.where(bad[0])}: {what} has no {key}")
+@dataclass
+class _Table:
+    """Columns read from one or more JSON Lines files, with where each row came from."""
+
+    columns: dict[str, np.ndarray]
+    job_id: pa.ChunkedArray
+    nested: dict[str, _Nested]
+    typed: bool  # every file went through Arrow
+    source: list[str]  # file per file appended
+    rows_per_file: list[int]
+
+    def where(self, row: int) -> str:
+        """"file:line" of a row (blank lines aside, rows are lines)."""
+        offset = row
+        for name, count in zip(self.source, self.rows_per_file, strict=True):
+            if offset < count:
+                return f"{name}:{1 + offset}"
+            offset -= count
+        return "?"
+
+    def number(self, key: str, what: str, *, required: bool) -> np.ndarray:
+        """A float64 column, NaN for null; a value that is not a number is bad input."""
+        values = self.columns[key]
+        array: np.ndarray
+        if values.dtype == np.float64:
+            array = values
+        else:
+            ok_types = [v is None or (isinstance(v, int | float) and not isinstance(v, bool))
+                        for v in values.tolist()]
+            if not all(ok_types):
+                row = ok_types.index(False)
+                raise HistoryError(f"{self.where(row)}: {what} field {key} is not a number")
+            array = values.astype(np.float64)
+        if required and np.isnan(array).any():
+            row = int(np.flatnonzero(np.isnan(array))[0])
+            raise HistoryError(f"{self.where(row)}: {what} field {key} is not a number")
+        return array
+
+    def require_str(self, key: str, what: str) -> None:
+        if key == "job_id":
+            # Anything but a string was read as null.
+            missing = pc.or_kleene(pc.is_null(self.job_id), pc.equal(self.job_id, ""))
+            bad = np.flatnonzero(missing.to_numpy(zero_copy_only=False))
+        elif self.typed:
+            values = self.columns[key]
+            bad = np.flatnonzero(pd.isna(values) | (values == ""))
+        else:
+            bad = np.array([i for i, v in enumerate(self.columns[key].tolist())
+                            if type(v) is not str or not v], dtype=np.int64)
+        if len(bad):
+            raise HistoryError(f"{self.where(int(bad[0]))}: {what} has no {key}")
 
 
-def _float_column(table: _Table, key: str, what: str, *, required: bool) -> np.ndarray:
-    values = table.columns[key]
-    array: np.ndarray | None
-    if values.dtype == np.float64:
-        array = values
-    else:
-        ok_types = [v is None or (isinstance(v, int | float) and not isinstance(v, bool))
-                    for v in values.tolist()]
-        if not all(ok_types):
-            row = ok_types.index(False)
-            raise HistoryError(f"{table.where(row)}: {what} field {key} is not a number")
-        array = values.astype(np.float64)
-    if required and np.isnan(array).any():
-        row = int(np.flatnonzero(np.isnan(array))[0])
-        raise HistoryError(f"{table.where(row)}: {what} field {key} is not a number")
-    return array
+def _table(parts: Sequence[_Part], schema: pa.Schema) -> _Table:
+    """The parts of one kind of file, as one table."""
+    columns: dict[str, np.ndarray] = {}
+    for f in schema:
+        if pa.types.is_struct(f.type) or f.name == "job_id":
+            continue
+        got = [p.columns[f.name] for p in parts]
+        if not got:
+            columns[f.name] = np.empty(0, dtype=object)
+        elif all(a.dtype == np.float64 for a in got):
+            columns[f.name] = np.concatenate(got)
+        else:
+            columns[f.name] = np.concatenate([a.astype(object) for a in got])
+    counts = [p.rows for p in parts]
+    starts = np.cumsum([0, *counts[:-1]], dtype=np.int64)
+    nested = {f.name: _Nested([p.nested[f.name] for p in parts], starts)
+              for f in schema if pa.types.is_struct(f.type)}
+    job_id = pa.chunked_array([c for p in parts for c in p.job_id.chunks], pa.string())
+    return _Table(columns=columns, job_id=job_id, nested=nested,
+                  typed=all(p.typed for p in parts),
+                  source=[str(p.path) for p in parts], rows_per_file=counts)
 
 
 def _data(value: Any) -> dict[str, Any]:
-    """A worker event's `data`, parsed on demand (the fast reader keeps it as bytes)."""
-    if type(value) is bytes:
-        try:
-            parsed = json.loads(value)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return {}
-        return parsed if isinstance(parsed, dict) else {}
     return value if isinstance(value, dict) else {}
 
 
-def _write_result(value: Any) -> Any:
-    # A write's data is flat, so this byte string can only be its own result field.
-    if type(value) is bytes and b'"result":"applied"' in value:
-        return "applied"
-    return _data(value).get("result")
+def _script_codes(table: _Table, rows: np.ndarray) -> tuple[np.ndarray, list[Any]]:
+    """A code per row of `rows` that is equal for equal scripts, and each code's script."""
+    nested = table.nested["script"]
+    if table.typed:
+        # Equal scripts have equal codes in every leaf (and in whether each object is there).
+        column = cast(pa.ChunkedArray, nested.parts[0]).take(pa.array(rows)).combine_chunks()
+        leaves = [column.is_valid(), *_leaves(column)]
+        code = np.zeros(len(rows), dtype=np.int64)
+        for leaf in leaves:
+            encoded = leaf.dictionary_encode()
+            width = len(encoded.dictionary) + 1
+            level = encoded.indices.fill_null(width - 1).to_numpy().astype(np.int64)
+            code = pd.factorize(code * width + level)[0].astype(np.int64)
+    else:
+        keys = [_script_key(s) for s in nested.pick(rows)]
+        code = pd.factorize(pd.Series(keys, dtype=object), use_na_sentinel=False)[0]
+    # Codes count up in order of first appearance, so each code's first row is ascending.
+    first_rows = np.unique(code, return_index=True)[1]
+    return code, nested.pick(rows[first_rows]) if len(first_rows) else []
+
+
+def _leaves(array: pa.Array) -> list[pa.Array]:
+    """The leaf columns of a struct array, with each nested struct's validity."""
+    out: list[pa.Array] = []
+    for i in range(array.type.num_fields):
+        child = pc.struct_field(array, [i])
+        if pa.types.is_struct(child.type):
+            out.append(child.is_valid())
+            out.extend(_leaves(child))
+        else:
+            out.append(child)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -496,7 +521,8 @@ class _History:
     scripts: list[tuple[Any, dict[str, Any] | None]]
     job_ack: np.ndarray  # int8: 1 ok, 0 unknown (info / no answer), -1 fail
     deliveries: pd.DataFrame
-    events: pd.DataFrame
+    events: pd.DataFrame  # row i's `data` is event_data's row i
+    event_data: _Nested
     faults: list[dict[str, Any]]
     final: pd.DataFrame
     files: list[str]
@@ -539,63 +565,88 @@ def _load(run_dirs: Sequence[Path]) -> _History:
         if not (d / DELIVERIES_DIR).is_dir() and not (d / WORKERS_DIR).is_dir():
             raise HistoryError(f"{d} holds neither {DELIVERIES_DIR}/ nor {WORKERS_DIR}/")
 
-    reader = _Reader()
     read_json(main / SPEC_FILE)
-    reader.files.append(str(main / SPEC_FILE))
     config = _run_config(main / RUN_FILE)
-    reader.files.append(str(main / RUN_FILE))
+    delivery_files = [p for d in dirs if (d / DELIVERIES_DIR).is_dir()
+                      for p in _jsonl_files(d / DELIVERIES_DIR)]
+    worker_files = [p for d in dirs if (d / WORKERS_DIR).is_dir()
+                    for p in _jsonl_files(d / WORKERS_DIR)]
+    nemesis_files = [d / NEMESIS_FILE for d in dirs if (d / NEMESIS_FILE).is_file()]
+    kinds: list[tuple[list[Path], Sequence[pa.Schema]]] = [
+        ([main / ENQUEUES_FILE], (_ENQUEUE_SCHEMA,)),
+        (delivery_files, (_DELIVERY_SCHEMA,)),
+        (worker_files, _EVENT_SCHEMAS),
+        (nemesis_files, (_FAULT_SCHEMA,)),
+        ([main / FINAL_JOBS_FILE], (_FINAL_SCHEMA,)),
+    ]
+    read = _read_parts([(p, schemas) for paths, schemas in kinds for p in paths])
+    files = [str(main / SPEC_FILE), str(main / RUN_FILE), *(str(p.path) for p in read)]
+    truncated = [str(p.path) for p in read if p.truncated]
+    parts = iter(read)
+    enq, dl, ev, nem, fin = (_table([next(parts) for _ in paths], schemas[0])
+                             for paths, schemas in kinds)
 
     # Enqueues: the job universe and each job's oracle inputs.
-    enq = reader.table(
-        [main / ENQUEUES_FILE],
-        ("type", "job_id", "time", "account", "script", "max_attempts"),
-        _ENQUEUE_FORMAT,
-    )
-    _require_str(enq, "type", "enqueue")
-    _require_str(enq, "job_id", "enqueue")
+    enq.require_str("type", "enqueue")
+    enq.require_str("job_id", "enqueue")
     types = pd.Series(enq.columns["type"], dtype=object)
     bad_type = ~types.isin(["invoke", "ok", "fail", "info"])
     if bad_type.any():
         row = int(np.flatnonzero(bad_type.to_numpy())[0])
         raise HistoryError(f"{enq.where(row)}: enqueue type {types[row]!r} is not "
                            "invoke, ok, fail or info")
-    ids = pd.Series(enq.columns["job_id"], dtype=object)
+    dl.require_str("job_id", "delivery")
+    fin.require_str("job_id", "final job state")
+    # Job ids are only compared, never read: one dictionary over every file's ids turns
+    # them into codes without making a Python string per row.
+    tables = (enq, dl, ev, fin)
+    encoded = pa.chunked_array([c for t in tables for c in t.job_id.chunks],
+                               pa.string()).dictionary_encode()
+    dictionary = (encoded.chunk(0).dictionary if encoded.num_chunks
+                  else pa.array([], pa.string()))
+    missing = len(dictionary)
+    indices = pa.chunked_array([c.indices for c in encoded.chunks], pa.int32())
+    all_codes = indices.fill_null(missing).to_numpy().astype(np.int64)
+    ends = np.cumsum([len(t.job_id) for t in tables])
+    enq_ids, dl_ids, ev_ids, fin_ids = np.split(all_codes, ends[:-1])
     is_invoke = (types == "invoke").to_numpy()
     invoke_rows = np.flatnonzero(is_invoke)
-    invoke_ids = ids.to_numpy()[invoke_rows]
-    first = ~pd.Series(invoke_ids).duplicated().to_numpy()
+    first = np.sort(np.unique(enq_ids[invoke_rows], return_index=True)[1])
     invoke_rows = invoke_rows[first]
-    job_ids = pd.Index(ids.to_numpy()[invoke_rows], dtype=object)
-    max_attempts_all = enq.columns["max_attempts"][invoke_rows]
-    bad_max = [i for i, v in enumerate(max_attempts_all.tolist())
-               if not isinstance(v, int | float) or isinstance(v, bool) or v != v
-               or v < 1 or v != int(v)]
-    if bad_max:
+    job_of_id = np.full(missing + 1, -1, dtype=np.int64)  # dictionary index -> job code
+    job_of_id[enq_ids[invoke_rows]] = np.arange(len(invoke_rows))
+    job_ids = pd.Index(dictionary.take(pa.array(enq_ids[invoke_rows]))
+                       .to_numpy(zero_copy_only=False), dtype=object)
+
+    def job_id_column(table: _Table, codes: np.ndarray) -> np.ndarray:
+        """The job id of each row, as the job's string (one per job, shared)."""
+        out = np.asarray(job_ids, dtype=object)[np.maximum(codes, 0)] if len(job_ids) else (
+            np.full(len(codes), None, dtype=object))
+        unknown = np.flatnonzero(codes < 0)
+        if len(unknown):
+            out[unknown] = table.job_id.take(pa.array(unknown)).to_numpy(zero_copy_only=False)
+        return cast(np.ndarray, out)
+
+    max_attempts_all = enq.number("max_attempts", "enqueue", required=False)[invoke_rows]
+    bad_max = np.flatnonzero(~(max_attempts_all >= 1) | (max_attempts_all % 1 != 0))
+    if len(bad_max):
         raise HistoryError(f"{enq.where(int(invoke_rows[bad_max[0]]))}: invoke needs "
                            "max_attempts >= 1")
     max_attempts_raw = max_attempts_all.astype(np.int64)
-    scripts_raw = enq.columns["script"][invoke_rows].tolist()
-    # The fast reader keeps a script as its JSON text, which is its own key.
-    keys = [s if type(s) is bytes else _script_key(s) for s in scripts_raw]
-    script_codes, uniques = pd.factorize(pd.Series(keys, dtype=object), use_na_sentinel=False)
+    script_codes, script_values = _script_codes(enq, invoke_rows)
     scripts: list[tuple[Any, dict[str, Any] | None]] = []
-    for code in range(len(uniques)):
-        at = int(np.flatnonzero(script_codes == code)[0])
-        raw_script = scripts_raw[at]
-        if type(raw_script) is bytes:
-            try:
-                raw_script = json.loads(raw_script)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raw_script = "?"
+    for code, raw_script in enumerate(script_values):
         if raw_script is not None and not isinstance(raw_script, dict):
+            at = int(np.flatnonzero(script_codes == code)[0])
             raise HistoryError(f"{enq.where(int(invoke_rows[at]))}: script is not an object")
-        scripts.append((uniques[code], raw_script))
+        scripts.append((_script_key(raw_script), raw_script))
     # Answers: ok beats info beats fail (an info that later turned out ok is ok).
     answer_rows = np.flatnonzero(~is_invoke)
-    answer_codes = job_ids.get_indexer(ids.to_numpy()[answer_rows])
+    answer_codes = job_of_id[enq_ids[answer_rows]]
     if (answer_codes < 0).any():
         row = int(answer_rows[np.flatnonzero(answer_codes < 0)[0]])
-        raise HistoryError(f"{enq.where(row)}: {types[row]} for job {ids[row]} without an invoke")
+        job_id = enq.job_id.take(pa.array([row]))[0].as_py()
+        raise HistoryError(f"{enq.where(row)}: {types[row]} for job {job_id} without an invoke")
     job_ack = np.zeros(len(job_ids), dtype=np.int8)
     answer_types = types.to_numpy()[answer_rows]
     fail_codes = answer_codes[answer_types == "fail"]
@@ -608,60 +659,44 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     del enq
 
     # Deliveries, merged over every target of every directory.
-    delivery_files = [p for d in dirs if (d / DELIVERIES_DIR).is_dir()
-                      for p in _jsonl_files(d / DELIVERIES_DIR)]
-    dl = reader.table(
-        delivery_files,
-        ("job_id", "attempt", "account", "worker", "target", "received", "answered", "status",
-         "behaviour"),
-        _DELIVERY_FORMAT,
-    )
-    _require_str(dl, "job_id", "delivery")
+    dl_jobs = job_of_id[dl_ids]
     deliveries = pd.DataFrame({
-        "job": job_ids.get_indexer(pd.Index(dl.columns["job_id"], dtype=object)),
-        "job_id": pd.Series(dl.columns["job_id"], dtype=object),
-        "attempt": _float_column(dl, "attempt", "delivery", required=False),
+        "job": dl_jobs,
+        "job_id": job_id_column(dl, dl_jobs),
+        "attempt": dl.number("attempt", "delivery", required=False),
         "account": pd.Series(dl.columns["account"], dtype=object),
         "worker": pd.Series(dl.columns["worker"], dtype=object),
         "target": pd.Series(dl.columns["target"], dtype=object),
-        "received": _float_column(dl, "received", "delivery", required=True),
-        "answered": _float_column(dl, "answered", "delivery", required=False),
-        "status": _float_column(dl, "status", "delivery", required=False),
+        "received": dl.number("received", "delivery", required=True),
+        "answered": dl.number("answered", "delivery", required=False),
+        "status": dl.number("status", "delivery", required=False),
         "behaviour": pd.Series(dl.columns["behaviour"], dtype=object),
     })
     del dl
 
-    # Worker events, merged over every worker of every directory.
-    worker_files = [p for d in dirs if (d / WORKERS_DIR).is_dir()
-                    for p in _jsonl_files(d / WORKERS_DIR)]
-    ev = reader.table(
-        worker_files, ("kind", "worker", "time", "job_id", "attempt", "data"), _EVENT_FORMAT)
-    _require_str(ev, "kind", "worker event")
-    # Only writes need a field of `data` for every row; the rest is parsed for the few
-    # events that explain something.
+    # Worker events, merged over every worker of every directory. Only writes need a field
+    # of `data` for every row; the rest is read for the few events that explain something.
+    ev.require_str("kind", "worker event")
     result = np.full(len(ev.columns["kind"]), None, dtype=object)
     writes = np.flatnonzero(ev.columns["kind"] == "write")
-    result[writes] = [_write_result(v) for v in ev.columns["data"][writes].tolist()]
+    result[writes] = ev.nested["data"].field("result", writes)
     events = pd.DataFrame({
         "kind": pd.Series(ev.columns["kind"], dtype=object),
         "worker": pd.Series(ev.columns["worker"], dtype=object),
-        "time": _float_column(ev, "time", "worker event", required=True),
-        "job": job_ids.get_indexer(pd.Index(ev.columns["job_id"], dtype=object)),
-        "attempt": _float_column(ev, "attempt", "worker event", required=False),
+        "time": ev.number("time", "worker event", required=True),
+        "job": job_of_id[ev_ids],
+        "attempt": ev.number("attempt", "worker event", required=False),
         "result": result,
-        "data": ev.columns["data"],
     })
+    event_data = ev.nested["data"]
     del ev
 
     # Faults: optional; every directory may hold some.
     faults: list[dict[str, Any]] = []
-    nemesis_files = [d / NEMESIS_FILE for d in dirs if (d / NEMESIS_FILE).is_file()]
-    nem = reader.table(nemesis_files,
-                       ("fault", "start", "end", "target", "job_id", "attempt", "skipped"))
     if len(nem.columns["fault"]):
-        starts = _float_column(nem, "start", "fault", required=True)
-        ends = _float_column(nem, "end", "fault", required=False)
-        attempts = _float_column(nem, "attempt", "fault", required=False)
+        starts = nem.number("start", "fault", required=True)
+        ends = nem.number("end", "fault", required=False)
+        attempts = nem.number("attempt", "fault", required=False)
         for row, kind in enumerate(nem.columns["fault"]):
             if kind not in _KNOWN_FAULTS:
                 raise HistoryError(f"{nem.where(row)}: unknown fault kind {kind!r}")
@@ -670,23 +705,22 @@ def _load(run_dirs: Sequence[Path]) -> _History:
                 "start": float(starts[row]),
                 "end": None if math.isnan(ends[row]) else float(ends[row]),
                 "target": nem.columns["target"][row],
-                "job_id": nem.columns["job_id"][row],
+                "job_id": nem.job_id[row].as_py(),
                 "attempt": None if math.isnan(attempts[row]) else int(attempts[row]),
                 "skipped": nem.columns["skipped"][row],
             })
 
     # Final states.
-    fin = reader.table([main / FINAL_JOBS_FILE], ("job_id", "status"), _FINAL_FORMAT)
-    _require_str(fin, "job_id", "final job state")
-    _require_str(fin, "status", "final job state")
+    fin.require_str("status", "final job state")
+    fin_jobs = job_of_id[fin_ids]
     statuses = pd.Series(fin.columns["status"], dtype=object)
     known_status = statuses.isin([s.value for s in JobStatus])
     if not known_status.all():
         row = int(np.flatnonzero(~known_status.to_numpy())[0])
         raise HistoryError(f"{fin.where(row)}: unknown job status {statuses[row]!r}")
     final = pd.DataFrame({
-        "job": job_ids.get_indexer(pd.Index(fin.columns["job_id"], dtype=object)),
-        "job_id": pd.Series(fin.columns["job_id"], dtype=object),
+        "job": fin_jobs,
+        "job_id": job_id_column(fin, fin_jobs),
         "status": statuses,
     })
     del fin
@@ -703,8 +737,9 @@ def _load(run_dirs: Sequence[Path]) -> _History:
         events=events,
         faults=faults,
         final=final,
-        files=reader.files,
-        truncated=reader.truncated,
+        event_data=event_data,
+        files=files,
+        truncated=truncated,
         worker_files=len(worker_files),
     )
 
@@ -741,9 +776,9 @@ def _fmt(seconds: float) -> str:
 _DATA_FIELDS = ("name", "lost", "locked_until", "error", "reason")
 
 
-def _with_data(rec: dict[str, Any]) -> dict[str, Any]:
-    """An event record with the fields of its `data` the explanations read."""
-    data = _data(rec.pop("data", None))
+def _with_data(rec: dict[str, Any], value: Any) -> dict[str, Any]:
+    """An event record with the fields of its `data` (`value`) the explanations read."""
+    data = _data(value)
     for key in _DATA_FIELDS:
         rec[key] = data.get(key)
     if rec.get("result") is None:
@@ -762,15 +797,17 @@ class _Explainer:
         subset = ev[ev["job"].isin(jobs)] if len(jobs) else ev.iloc[:0]
         self.by_attempt: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
         self.attempts_of: dict[int, set[int]] = defaultdict(set)
-        for rec in _records(subset):
+        data = history.event_data
+        for rec, value in zip(_records(subset), data.pick(subset.index.to_numpy()), strict=True):
             if not math.isnan(rec["attempt"]):
                 key = (int(rec["job"]), int(rec["attempt"]))
-                self.by_attempt[key].append(_with_data(rec))
+                self.by_attempt[key].append(_with_data(rec, value))
                 self.attempts_of[key[0]].add(key[1])
         # Worker-wide deaths: a failpoint or an error stop ends every lease the worker held.
         self.deaths: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for rec in _records(ev[ev["kind"].isin(["failpoint", "stop"])]):
-            rec = _with_data(rec)
+        ends = ev[ev["kind"].isin(["failpoint", "stop"])]
+        for rec, value in zip(_records(ends), data.pick(ends.index.to_numpy()), strict=True):
+            rec = _with_data(rec, value)
             if rec["kind"] == "failpoint" or str(rec["reason"]).startswith("error"):
                 self.deaths[str(rec["worker"])].append(rec)
 
