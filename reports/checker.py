@@ -678,10 +678,12 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     # of `data` for every row; the rest is read for the few events that explain something.
     ev.require_str("kind", "worker event")
     result = np.full(len(ev.columns["kind"]), None, dtype=object)
-    writes = np.flatnonzero(ev.columns["kind"] == "write")
+    # Few distinct kinds: as a categorical, the judge's comparisons on it are cheap.
+    kind = pd.Categorical(ev.columns["kind"])
+    writes = np.flatnonzero(kind == "write")
     result[writes] = ev.nested["data"].field("result", writes)
     events = pd.DataFrame({
-        "kind": pd.Series(ev.columns["kind"], dtype=object),
+        "kind": kind,
         "worker": pd.Series(ev.columns["worker"], dtype=object),
         "time": ev.number("time", "worker event", required=True),
         "job": job_of_id[ev_ids],
@@ -713,7 +715,7 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     # Final states.
     fin.require_str("status", "final job state")
     fin_jobs = job_of_id[fin_ids]
-    statuses = pd.Series(fin.columns["status"], dtype=object)
+    statuses = pd.Series(pd.Categorical(fin.columns["status"]))
     known_status = statuses.isin([s.value for s in JobStatus])
     if not known_status.all():
         row = int(np.flatnonzero(~known_status.to_numpy())[0])
@@ -1260,19 +1262,23 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
 
     # Stale writes.
     if len(stale_candidates):
-        claim_recs = claims[claims["job"].isin(stale_candidates["job"])]
-        by_job: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
-        for rec in _records(claim_recs):
-            by_job[int(rec["job"])].append((rec["attempt"], rec["time"], str(rec["worker"])))
-        for rec in _records(stale_candidates):
-            later = [c for c in by_job[int(rec["job"])]
-                     if c[0] > rec["attempt"] and c[1] < rec["time"] - tolerance]
-            if later:
-                a, t, w = min(later, key=lambda c: c[1])
-                found.add("stale_write", h.job_ids[int(rec["job"])],
-                          f"{rec['worker']} applied its result for attempt "
-                          f"{_label(rec['attempt'])} at {_fmt(rec['time'])}, after {w} "
-                          f"claimed attempt {_label(a)} at {_fmt(t)}")
+        # Each write against the claims of its job: the earliest later attempt claimed
+        # before the write (a retried job's every earlier write is a candidate).
+        cols = ["job", "attempt", "time", "worker"]
+        stale_rows = stale_candidates[cols].reset_index(drop=True)
+        stale_rows["write"] = np.arange(len(stale_rows))
+        matched = stale_rows.merge(claims[claims["job"].isin(stale_rows["job"])][cols], on="job",
+                               suffixes=("", "_claim"))
+        matched = matched[(matched["attempt_claim"] > matched["attempt"])
+                        & (matched["time_claim"] < matched["time"] - tolerance)]
+        stale = (matched.sort_values("time_claim", kind="stable")
+                 .drop_duplicates("write").sort_values("write"))
+        for rec in _records(stale):
+            found.add("stale_write", h.job_ids[int(rec["job"])],
+                      f"{rec['worker']} applied its result for attempt "
+                      f"{_label(rec['attempt'])} at {_fmt(rec['time'])}, after "
+                      f"{rec['worker_claim']} claimed attempt {_label(rec['attempt_claim'])} "
+                      f"at {_fmt(rec['time_claim'])}")
 
     if n_jobs == 0:
         unknown.append("no job was enqueued: there is nothing to judge")
