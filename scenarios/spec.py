@@ -13,6 +13,7 @@ fix; the CLI turns it into exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -93,6 +94,18 @@ class ScenarioSpec:
 
     def validate(self) -> ScenarioSpec:
         """Refuse values that cannot run; returns self so calls chain."""
+        # NaN passes every comparison below (all of them are False), and an infinite
+        # duration or lease never ends: refuse both before anything else.
+        numbers: list[tuple[str, object]] = [
+            (f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+            if f.name not in _TABLES
+        ]
+        for table in _TABLES:
+            numbers += [(f"{table}.{k}", v) for k, v in getattr(self, table).items()]
+        for key, value in numbers:
+            if (isinstance(value, float | int) and not isinstance(value, bool)
+                    and not math.isfinite(value)):
+                raise SpecError(f"{key} must be a finite number (got {value})")
         positive = {
             "duration": self.duration,
             "drain_timeout": self.drain_timeout,
@@ -285,7 +298,8 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
             return float(value)
         if name == "str":
             return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
+        # OverflowError: int("inf").
         raise SpecError(f"{key} must be a {name} (got {value!r})") from None
     raise SpecError(f"{key} has an unsupported type {name}")
 

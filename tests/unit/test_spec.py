@@ -152,3 +152,34 @@ def test_cli_bad_input_is_exit_2_with_one_line(
     err = capsys.readouterr().err
     assert err.startswith("skiplock: ")
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["duration=nan", "duration=inf", "lease=-inf", "rate=NaN", "workers=inf", "mix.slow=inf",
+     "failpoints.crash_after_claim=nan", "hang_seconds=inf", "retry_jitter=nan"],
+)
+def test_non_finite_numbers_are_refused(override: str) -> None:
+    with pytest.raises(SpecError, match="finite|must be a") as caught:
+        spec_mod.load("steady", [override])
+    assert "\n" not in str(caught.value)
+
+
+def test_non_finite_toml_values_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "nan.toml"
+    path.write_text("duration = nan\n[accounts]\na = 1\n")
+    with pytest.raises(SpecError, match="duration must be a finite number"):
+        spec_mod.load(str(path))
+
+
+@pytest.mark.parametrize("flags", [["--set", "duration=nan"], ["--duration", "inf"],
+                                   ["--set", "lease=inf"]])
+def test_cli_refuses_non_finite_values_with_exit_2(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from scenarios.cli import main
+
+    assert main(["run", "steady", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "finite" in err
