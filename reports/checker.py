@@ -244,11 +244,13 @@ class _Part:
     columns: dict[str, np.ndarray]
     job_id: pa.ChunkedArray
     nested: dict[str, pa.ChunkedArray | list[Any]]
+    lines: list[int] | None = None  # line of each row, when blank lines were skipped
 
 
-def _parse_slow(path: Path, data: bytes) -> list[dict[str, Any]]:
-    """Line by line, to name the first bad line."""
+def _parse_slow(path: Path, data: bytes) -> tuple[list[dict[str, Any]], list[int]]:
+    """Line by line, to name the first bad line; the records and their line numbers."""
     rows: list[dict[str, Any]] = []
+    numbers: list[int] = []
     for number, line in enumerate(data.split(b"\n"), start=1):
         if not line.strip():
             continue
@@ -260,7 +262,8 @@ def _parse_slow(path: Path, data: bytes) -> list[dict[str, Any]]:
         if not isinstance(value, dict):
             raise HistoryError(f"{path}:{number} is not a JSON object")
         rows.append(value)
-    return rows
+        numbers.append(number)
+    return rows, numbers
 
 
 def _strings(column: pa.ChunkedArray) -> np.ndarray:
@@ -289,8 +292,8 @@ def _arrow_part(path: Path, table: pa.Table, truncated: bool) -> _Part:
                  columns=columns, job_id=table.column("job_id"), nested=nested)
 
 
-def _python_part(path: Path, rows: list[dict[str, Any]], schema: pa.Schema,
-                 truncated: bool) -> _Part:
+def _python_part(path: Path, rows: list[dict[str, Any]], lines: list[int],
+                 schema: pa.Schema, truncated: bool) -> _Part:
     columns: dict[str, np.ndarray] = {}
     nested: dict[str, pa.ChunkedArray | list[Any]] = {}
     for f in schema:
@@ -304,7 +307,7 @@ def _python_part(path: Path, rows: list[dict[str, Any]], schema: pa.Schema,
     job_id = pa.chunked_array([pa.array([v if type(v) is str else None for v in ids],
                                         pa.string())])
     return _Part(path=path, rows=len(rows), typed=False, truncated=truncated,
-                 columns=columns, job_id=job_id, nested=nested)
+                 columns=columns, job_id=job_id, nested=nested, lines=lines)
 
 
 def _read_part(path: Path, schemas: Sequence[pa.Schema]) -> _Part:
@@ -329,7 +332,7 @@ def _read_part(path: Path, schemas: Sequence[pa.Schema]) -> _Part:
         # Blank lines or two objects on a line would shift line numbers: read those slowly.
         if table.num_rows == lines:
             return _arrow_part(path, table, truncated)
-    return _python_part(path, _parse_slow(path, data), schemas[0], truncated)
+    return _python_part(path, *_parse_slow(path, data), schemas[0], truncated)
 
 
 def _read_parts(jobs: Sequence[tuple[Path, Sequence[pa.Schema]]]) -> list[_Part]:
@@ -349,13 +352,15 @@ class _Table:
     typed: bool  # every file went through Arrow
     source: list[str]  # file per file appended
     rows_per_file: list[int]
+    lines: list[list[int] | None]  # per file: line of each row (None: rows are lines)
 
     def where(self, row: int) -> str:
-        """"file:line" of a row (blank lines aside, rows are lines)."""
+        """"file:line" of a row."""
         offset = row
-        for name, count in zip(self.source, self.rows_per_file, strict=True):
+        for name, count, lines in zip(self.source, self.rows_per_file, self.lines,
+                                      strict=True):
             if offset < count:
-                return f"{name}:{1 + offset}"
+                return f"{name}:{1 + offset if lines is None else lines[offset]}"
             offset -= count
         return "?"
 
@@ -401,6 +406,8 @@ def _table(parts: Sequence[_Part], schema: pa.Schema) -> _Table:
         got = [p.columns[f.name] for p in parts]
         if not got:
             columns[f.name] = np.empty(0, dtype=object)
+        elif len(got) == 1:
+            columns[f.name] = got[0]
         elif all(a.dtype == np.float64 for a in got):
             columns[f.name] = np.concatenate(got)
         else:
@@ -412,7 +419,8 @@ def _table(parts: Sequence[_Part], schema: pa.Schema) -> _Table:
     job_id = pa.chunked_array([c for p in parts for c in p.job_id.chunks], pa.string())
     return _Table(columns=columns, job_id=job_id, nested=nested,
                   typed=all(p.typed for p in parts),
-                  source=[str(p.path) for p in parts], rows_per_file=counts)
+                  source=[str(p.path) for p in parts], rows_per_file=counts,
+                  lines=[p.lines for p in parts])
 
 
 def _data(value: Any) -> dict[str, Any]:
@@ -424,13 +432,13 @@ def _script_codes(table: _Table, rows: np.ndarray) -> tuple[np.ndarray, list[Any
     nested = table.nested["script"]
     if table.typed:
         # Equal scripts have equal codes in every leaf (and in whether each object is there).
-        column = cast(pa.ChunkedArray, nested.parts[0]).take(pa.array(rows)).combine_chunks()
+        column = cast(pa.ChunkedArray, nested.parts[0]).combine_chunks()
         leaves = [column.is_valid(), *_leaves(column)]
         code = np.zeros(len(rows), dtype=np.int64)
         for leaf in leaves:
             encoded = leaf.dictionary_encode()
             width = len(encoded.dictionary) + 1
-            level = encoded.indices.fill_null(width - 1).to_numpy().astype(np.int64)
+            level = encoded.indices.fill_null(width - 1).to_numpy()[rows].astype(np.int64)
             code = pd.factorize(code * width + level)[0].astype(np.int64)
     else:
         keys = [_script_key(s) for s in nested.pick(rows)]
@@ -662,7 +670,7 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     dl_jobs = job_of_id[dl_ids]
     deliveries = pd.DataFrame({
         "job": dl_jobs,
-        "job_id": job_id_column(dl, dl_jobs),
+        "job_id": pd.Series(job_id_column(dl, dl_jobs), dtype=object),
         "attempt": dl.number("attempt", "delivery", required=False),
         "account": pd.Series(dl.columns["account"], dtype=object),
         "worker": pd.Series(dl.columns["worker"], dtype=object),
@@ -679,7 +687,7 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     ev.require_str("kind", "worker event")
     result = np.full(len(ev.columns["kind"]), None, dtype=object)
     # Few distinct kinds: as a categorical, the judge's comparisons on it are cheap.
-    kind = pd.Categorical(ev.columns["kind"])
+    kind = pd.Categorical(pd.Series(ev.columns["kind"], dtype=object))
     writes = np.flatnonzero(kind == "write")
     result[writes] = ev.nested["data"].field("result", writes)
     events = pd.DataFrame({
@@ -688,7 +696,7 @@ def _load(run_dirs: Sequence[Path]) -> _History:
         "time": ev.number("time", "worker event", required=True),
         "job": job_of_id[ev_ids],
         "attempt": ev.number("attempt", "worker event", required=False),
-        "result": result,
+        "result": pd.Series(result, dtype=object),
     })
     event_data = ev.nested["data"]
     del ev
@@ -715,14 +723,14 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     # Final states.
     fin.require_str("status", "final job state")
     fin_jobs = job_of_id[fin_ids]
-    statuses = pd.Series(pd.Categorical(fin.columns["status"]))
+    statuses = pd.Series(pd.Categorical(pd.Series(fin.columns["status"], dtype=object)))
     known_status = statuses.isin([s.value for s in JobStatus])
     if not known_status.all():
         row = int(np.flatnonzero(~known_status.to_numpy())[0])
         raise HistoryError(f"{fin.where(row)}: unknown job status {statuses[row]!r}")
     final = pd.DataFrame({
         "job": fin_jobs,
-        "job_id": job_id_column(fin, fin_jobs),
+        "job_id": pd.Series(job_id_column(fin, fin_jobs), dtype=object),
         "status": statuses,
     })
     del fin

@@ -8,6 +8,7 @@ Unless a test says otherwise: HTTP timeout 2 s, lease 10 s, backoff base 1 s wit
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -624,8 +625,9 @@ def test_mixed_history_counts_each_anomaly(tmp_path: Path) -> None:
 
 
 def test_layout_does_not_change_the_verdict(tmp_path: Path) -> None:
-    """The same history written compactly (the writers' layout, read by the fast path) and
-    pretty-printed with reordered keys (read as plain JSON) gets the same verdict."""
+    """The same history written compactly (the writers' layout), pretty-printed with
+    reordered keys, and with blank lines between records (read line by line) gets the same
+    verdict."""
     b = RunBuilder(account_limits={"acct-0": 1})
     _redelivered(b, first_write="info")
     b.enqueue("gone", script=FAIL_ONCE)
@@ -636,14 +638,50 @@ def test_layout_does_not_change_the_verdict(tmp_path: Path) -> None:
     b.fault("kill_worker", 100.2, None, target="worker-0")
     compact = b.write(tmp_path / "compact")
     spaced = b.write(tmp_path / "spaced")
+    blank = b.write(tmp_path / "blank")
     for path in spaced.rglob("*.jsonl"):
         lines = [json.loads(line) for line in path.read_text().splitlines()]
         path.write_text("".join(
             json.dumps(dict(reversed(list(r.items())))) + "\n" for r in lines))
-    first, second = check_run([compact]), check_run([spaced])
-    assert first.counts == second.counts
-    assert first.examples == second.examples
-    assert anomalies(first) == {"duplicate_explained": 1, "lost": 1, "early_retry": 1}
+    for path in blank.rglob("*.jsonl"):
+        path.write_text("".join(line + "\n\n" for line in path.read_text().splitlines()))
+    verdicts = [check_run([d]) for d in (compact, spaced, blank)]
+    for other in verdicts[1:]:
+        assert other.counts == verdicts[0].counts
+        assert other.examples == verdicts[0].examples
+    assert anomalies(verdicts[0]) == {"duplicate_explained": 1, "lost": 1, "early_retry": 1}
+
+
+@pytest.mark.parametrize("renewal", [None, "epoch", "iso"])
+def test_renewed_lease_is_read_as_epoch_or_iso_text(tmp_path: Path, renewal: str | None) -> None:
+    """A renewal moves the lease end (epoch seconds in synthetic histories, ISO text from
+    the dispatcher): a retry inside the renewed lease is concurrent and early; without the
+    renewal the lease had expired and the retry was due."""
+    b = RunBuilder(http_timeout_seconds=60.0, lease_seconds=10.0)
+    b.enqueue(JOB, script=SUCCEED)
+    b.attempt(JOB, 1, claimed=100.0, worker="worker-0", latency=40.0, status=503,
+              behaviour="status", write="fenced")
+    if renewal is not None:
+        until = 130.0
+        b.event("renew", "worker-0", 105.0, job_id=JOB, attempt=1,
+                locked_until=datetime.fromtimestamp(until, UTC).isoformat()
+                if renewal == "iso" else until)
+    b.attempt(JOB, 2, claimed=115.0, worker="worker-1")
+    b.final(JOB, "COMPLETED", attempts=2)
+    verdict = check(b, tmp_path)
+    expected = {} if renewal is None else {"concurrent_delivery": 1, "early_retry": 1}
+    assert anomalies(verdict) == expected
+
+
+def test_bad_line_after_blank_lines_is_named(tmp_path: Path) -> None:
+    b = RunBuilder()
+    succeed_once(b, "a", 100.0)
+    run_dir = b.write(tmp_path / "run")
+    path = run_dir / "deliveries" / "target-0.jsonl"
+    path.write_text(path.read_text() + "\n" + '{"job_id": "a", "attempt": "one"}\n')
+    with pytest.raises(HistoryError, match=r"target-0\.jsonl:3: delivery field attempt is "
+                       "not a number"):
+        check_run([run_dir])
 
 
 def test_examples_are_capped_at_ten(tmp_path: Path) -> None:
