@@ -27,6 +27,7 @@ import re
 import signal
 import socket
 import struct
+import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable
@@ -510,6 +511,23 @@ async def serve(
 # ----------------------------------------------------------------------------------------------
 
 
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Ask Linux to SIGTERM this process when its parent dies, even by SIGKILL, so that a
+    killed harness never leaves a target serving (workers and the embedded server do the
+    same). Elsewhere, or if prctl is unavailable, a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+        # The parent may have died before prctl took effect.
+        if parent_pid is not None and os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _child_main(
     conn: Any,
     out_dir: str,
@@ -518,7 +536,9 @@ def _child_main(
     port: int,
     hang_cap_seconds: float,
     grace_seconds: float,
+    parent_pid: int | None = None,
 ) -> None:
+    _die_with_parent(parent_pid)
     ready = False
 
     def on_ready(bound: int) -> None:
@@ -615,6 +635,7 @@ class TargetProcess:
                 self._requested_port,
                 self.hang_cap_seconds,
                 self.grace_seconds,
+                os.getpid(),
             ),
             name=f"skiplock-{self.name}",
             daemon=True,
