@@ -253,6 +253,8 @@ class RunInfo:
     http_timeout_seconds: float
     lease_seconds: float
     account_limits: dict[str, int | None]
+    # Rows in final_jobs.jsonl; None when no final snapshot was taken.
+    final_jobs: int | None = None
 
 
 # --------------------------------------------------------------------------------------------

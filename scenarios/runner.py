@@ -19,7 +19,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -267,8 +267,16 @@ def _drop_schema(dsn: str, schema: str) -> None:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
-def _write_final_jobs(path: Path, states: list[JobState]) -> None:
-    with JsonlWriter(path) as writer:
+# Longest the final snapshot of an interrupted run may take (connect plus query).
+INTERRUPTED_SNAPSHOT_SECONDS = 15.0
+
+
+def _write_final_jobs(path: Path, states: list[JobState],
+                      abandoned: threading.Event | None = None) -> int:
+    """Write the snapshot whole or not at all (a partial file would be judged as if it were
+    the queue's final state); returns the number of rows."""
+    partial = path.with_name(path.name + ".partial")
+    with JsonlWriter(partial) as writer:
         for state in states:
             record = to_record(state)
             record["job_id"] = str(state.job_id)
@@ -278,6 +286,57 @@ def _write_final_jobs(path: Path, states: list[JobState]) -> None:
                 record[key] = None if value is None else value.timestamp()
             record["extra"] = dict(state.extra)
             writer.write(record)
+    if abandoned is not None and abandoned.is_set():
+        partial.unlink(missing_ok=True)
+        raise TimeoutError("the snapshot came too late")
+    os.replace(partial, path)
+    return len(states)
+
+
+def _bounded_dsn(dsn: str, seconds: float) -> str:
+    """`dsn` with a connect timeout and a statement timeout, so that a snapshot taken on the
+    way out cannot hang on a server that has stopped answering."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    params = conninfo_to_dict(dsn)
+    options = str(params.get("options") or "")
+    params["options"] = f"{options} -c statement_timeout={int(seconds * 1000)}".strip()
+    params["connect_timeout"] = str(max(1, int(seconds / 2)))
+    return make_conninfo("", **params)
+
+
+def _interrupted_snapshot(backend: BackendSpec, path: Path,
+                          seconds: float = INTERRUPTED_SNAPSHOT_SECONDS) -> tuple[int | None, str]:
+    """Take the final snapshot after an interrupt, bounded in time, on a fresh connection
+    (the run's own may have been cut mid-call). Returns (rows or None, a note for run.json);
+    on failure nothing is written."""
+    outcome: dict[str, Any] = {}
+    abandoned = threading.Event()
+
+    def take() -> None:
+        try:
+            bounded = dataclasses.replace(
+                backend, dsn=None if backend.dsn is None else _bounded_dsn(backend.dsn, seconds)
+            )
+            queue = bounded.create()
+            try:
+                states = queue.snapshot()
+            finally:
+                queue.close()
+            outcome["rows"] = _write_final_jobs(path, states, abandoned)
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            outcome["error"] = f"{type(exc).__name__}: {first}"
+
+    thread = threading.Thread(target=take, name="skiplock-final-snapshot", daemon=True)
+    thread.start()
+    thread.join(seconds + 5.0)
+    if thread.is_alive():
+        abandoned.set()
+        return None, f"not taken: no answer within {seconds + 5.0:g} s"
+    if "rows" in outcome:
+        return int(outcome["rows"]), "taken after the interrupt"
+    return None, f"not taken: {outcome.get('error', 'unknown error')}"
 
 
 def _wait_drained(loop: _SampleLoop, spec: ScenarioSpec, pool: Any) -> bool:
@@ -340,6 +399,8 @@ def run_scenario(
     backend_spec: BackendSpec | None = None
     server_up: PgServer | None = None
     run_dir_removed = False
+    final_jobs: int | None = None
+    snapshot_note: str | None = None
 
     def write_run_info() -> RunInfo:
         info = RunInfo(
@@ -355,8 +416,12 @@ def run_scenario(
             http_timeout_seconds=spec.http_timeout,
             lease_seconds=spec.lease,
             account_limits=dict(spec.account_limits()),
+            final_jobs=final_jobs,
         )
-        write_json(run_dir / RUN_FILE, to_record(info))
+        record = to_record(info)
+        if snapshot_note is not None:
+            record["final_snapshot"] = snapshot_note
+        write_json(run_dir / RUN_FILE, record)
         return info
 
     def write_spec_json(extra: dict[str, Any]) -> None:
@@ -410,9 +475,26 @@ def run_scenario(
                 # Registered before the snapshot runs, so it runs after it (LIFO).
                 stack.callback(_drop_schema, server.dsn, schema)
 
+            snapshot_spec = backend_spec
+
+            def snapshot_on_interrupt(exc_type: type[BaseException] | None, *_: object) -> bool:
+                # Pushed after the schema's drop, so it runs before it and after every
+                # process of the run has stopped: an interrupted run is still judgeable.
+                nonlocal final_jobs, snapshot_note
+                if (exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+                        and snapshot_note is None):
+                    say("interrupted: taking the final snapshot")
+                    final_jobs, snapshot_note = _interrupted_snapshot(
+                        snapshot_spec, run_dir / FINAL_JOBS_FILE
+                    )
+                    say(f"final snapshot {snapshot_note}")
+                return False
+
+            stack.push(snapshot_on_interrupt)
+
             target = stack.enter_context(_target(run_dir))
             allow = (f"{target.host}:{target.port}",)
-            config = dispatcher_config(spec, allow)
+            config = dataclasses.replace(dispatcher_config(spec, allow), seed=options.seed)
 
             loop = _SampleLoop(Sampler(run_dir, server.dsn, schema, queue),
                                SampleWriter(run_dir / SAMPLES_FILE), observer)
@@ -434,10 +516,13 @@ def run_scenario(
             nemesis.start(_Ctx(run_dir=run_dir, server=server, pool=pool,
                                nemesis_log=nemesis_log), options.seed)
             try:
-                _wait_phases(spec, producers, start_at, phase)
+                stopped = _wait_phases(spec, producers, start_at, phase)
             finally:
                 nemesis.stop()
-            _check_producers(producers)
+            if stopped:
+                say(f"stopped producer(s) that overran the load phase: {', '.join(stopped)}")
+                phases[-1]["producers_stopped"] = stopped
+            _check_producers(producers, stopped)
 
             phase("drain")
             drain_started = time.monotonic()
@@ -451,10 +536,13 @@ def run_scenario(
                 say(f"drain timed out after {spec.drain_timeout:g} s")
             pool.stop(grace_seconds=options.worker_grace_seconds)
             phase("")
-            _write_final_jobs(run_dir / FINAL_JOBS_FILE, queue.snapshot())
+            final_jobs = _write_final_jobs(run_dir / FINAL_JOBS_FILE, queue.snapshot())
+            snapshot_note = "taken after the drain"
             exit_reason = "completed"
     except KeyboardInterrupt:
         exit_reason = "interrupted"
+        if snapshot_note is None:
+            snapshot_note = "not taken: interrupted before the queue was set up"
         raise
     except UsageError as exc:
         exit_reason = f"error: {exc}"
@@ -500,12 +588,18 @@ def _target(run_dir: Path) -> Iterator[Any]:
 
 
 def _wait_phases(spec: ScenarioSpec, producers: list[Any], start_at: float,
-                 phase: Callable[[str], None]) -> None:
-    """Warm-up then load, by the clock; returns early if every producer has exited."""
+                 phase: Callable[[str], None], overrun_seconds: float = 15.0) -> list[str]:
+    """Warm-up then load, by the clock; returns early if every producer has exited.
+
+    Returns the names of the producers this function had to stop because they overran the
+    load phase (plus `overrun_seconds` and a join grace): their history is whole (an enqueue
+    cut short has an invoke and no outcome, which the checker treats as unknown), so the
+    run is still judged."""
     load_at = start_at + spec.warmup
     end_at = load_at + spec.duration
     in_load = False
-    while time.time() < end_at + 15.0:
+    stopped: list[str] = []
+    while time.time() < end_at + overrun_seconds:
         if not in_load and time.time() >= load_at:
             phase("load")
             in_load = True
@@ -516,9 +610,15 @@ def _wait_phases(spec: ScenarioSpec, producers: list[Any], start_at: float,
         process.join(timeout=5.0)
         if process.is_alive():
             # Past its stop time and grace: stop it so that no job is enqueued in the drain.
+            stopped.append(process.name)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signal.SIGTERM)
             process.join(timeout=5.0)
+            if process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+                process.join()
+    return stopped
 
 
 def _go(run_dir: Path, producers: list[Any], timeout: float = 120.0) -> float:
@@ -536,8 +636,10 @@ def _go(run_dir: Path, producers: list[Any], timeout: float = 120.0) -> float:
     return start_at
 
 
-def _check_producers(producers: list[Any]) -> None:
-    failed = [p.name for p in producers if p.exitcode != 0]
+def _check_producers(producers: list[Any], stopped: Collection[str] = ()) -> None:
+    """A producer that exited non-zero on its own is a harness failure; one the runner
+    stopped for overrunning is not (its exit code is the runner's own signal)."""
+    failed = [p.name for p in producers if p.exitcode != 0 and p.name not in stopped]
     if failed:
         raise HarnessError(f"producer process(es) failed: {', '.join(failed)}"
                            " (see stderr above)")
