@@ -73,10 +73,26 @@ _DEFINITE_ERRORS: tuple[type[BaseException], ...] = (
 
 
 def classify_error(exc: BaseException) -> EnqueueType:
-    """`fail` when the enqueue certainly did not happen, `info` when it may have."""
-    if isinstance(exc, _DEFINITE_ERRORS):
+    """`fail` when the enqueue certainly did not happen, `info` when it may have.
+
+    An error raised out of a COMMIT is `info` whatever its class: a deferred constraint
+    raises there too, and from the client's side a failed COMMIT cannot be told from one
+    whose answer was lost."""
+    if isinstance(exc, _DEFINITE_ERRORS) and not raised_in_commit(exc):
         return "fail"
     return "info"
+
+
+def raised_in_commit(exc: BaseException) -> bool:
+    """True when the traceback passes through psycopg's commit (`Connection.commit`, or a
+    `transaction()` block committing on exit)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if "commit" in code.co_name.lower() and "psycopg" in code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def one_line(exc: BaseException) -> str:
