@@ -36,8 +36,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 SHORT = ["warmup=0.5", "duration=3", "drain_timeout=30"]
 
-# backend -> (jobs completed per second over load and drain, enqueued)
-THROUGHPUT: dict[str, tuple[float, int]] = {}
+# backend -> (jobs completed per second over load and drain, enqueued, valid, completed)
+THROUGHPUT: dict[str, tuple[float, int, object, int]] = {}
 
 
 def _run(pg_dsn: str, tmp_path: Path, scenario: str, overrides: list[str], *,
@@ -110,6 +110,8 @@ def test_pg_passes_a_fault_free_run(pg_dsn: str, tmp_path: Path, no_leftovers: N
     assert [p["name"] for p in described["phases"]] == ["setup", "warmup", "load", "drain"]
     info = read_json(run_dir / RUN_FILE)
     assert info["drained"] is True and info["exit_reason"] == "completed"
+    assert info["final_jobs"] == len(list(read_jsonl(run_dir / FINAL_JOBS_FILE)))
+    assert info["final_jobs"] == counts["enqueued"]
     accounts = {r["account"] for r in read_jsonl(run_dir / ENQUEUES_FILE)
                 if r["type"] == "invoke"}
     assert len(accounts) >= 3
@@ -150,6 +152,29 @@ def test_faulty_targets_pass_with_retries_dead_letters_and_explained_duplicates(
     assert counts["completed"] + counts["failed"] == counts["enqueued"]
     statuses = {r["status"] for r in read_jsonl(result.run_dir / FINAL_JOBS_FILE)}
     assert statuses == {"COMPLETED", "FAILED"}
+
+    # The seeded mix (about 175 draws, 1 in 20 for each of these) enqueued every faulty
+    # script, and the target really played each one: a faulty script that never ran would
+    # make the verdict above say nothing about it.
+    script_of = {r["job_id"]: r["script"]["name"] for r in read_jsonl(
+        result.run_dir / ENQUEUES_FILE) if r["type"] == "invoke"}
+    played: dict[str, set[str]] = {}
+    for path in (result.run_dir / DELIVERIES_DIR).glob("*.jsonl"):
+        for delivery in read_jsonl(path):
+            played.setdefault(delivery["behaviour"], set()).add(delivery["job_id"])
+    for script, behaviour in (("hang_then_late", "hang"), ("hang_forever", "hang_forever"),
+                              ("reset", "reset"), ("fail_then_succeed", "status"),
+                              ("slow", "slow")):
+        jobs = {job for job, name in script_of.items() if name == script}
+        assert jobs, f"the mix drew no {script} job"
+        assert jobs & played.get(behaviour, set()), f"no {behaviour} delivery was played"
+    # A hang_then_late job answers 200 after the HTTP timeout, so its retry's 2xx is a
+    # duplicate that the recorded timeout explains: every such job that completed makes one.
+    late_completed = {r["job_id"] for r in read_jsonl(result.run_dir / FINAL_JOBS_FILE)
+                      if r["status"] == "COMPLETED" and script_of[r["job_id"]]
+                      == "hang_then_late"}
+    assert late_completed
+    assert counts["duplicate_explained"] > 0, verdict.to_json()
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -198,7 +223,8 @@ def test_worker_killed_with_recovery_off_is_reported(
                                                                    "initech", "umbrella"))]
     result = _run(pg_dsn, tmp_path, "steady", overrides, nemesis=KillOneWorker(after=2.0))
     verdict = result.verdict
-    assert verdict.valid is not True
+    assert verdict.valid is False, verdict.to_json()
+    assert result.exit_code == 1
     assert verdict.counts["stuck"] + verdict.counts["lost"] > 0, verdict.to_json()
     assert len(list(read_jsonl(result.run_dir / NEMESIS_FILE))) == 1
 
@@ -212,8 +238,10 @@ def test_locking_variants_pass_and_their_throughput_is_measured(
     pg_dsn: str, tmp_path: Path, backend: str
 ) -> None:
     result = _run(pg_dsn, tmp_path, "steady", OFFERED, backend=backend)
+    counts = result.verdict.counts
+    THROUGHPUT[backend] = (_throughput(result), counts["enqueued"], result.verdict.valid,
+                           counts["completed"])
     assert result.verdict.valid is True, result.verdict.to_json()
-    THROUGHPUT[backend] = (_throughput(result), result.verdict.counts["enqueued"])
 
 
 def test_print_throughput_beside_pg(capsys: pytest.CaptureFixture[str]) -> None:
@@ -222,18 +250,22 @@ def test_print_throughput_beside_pg(capsys: pytest.CaptureFixture[str]) -> None:
         pytest.skip("the pg run did not run in this session")
     with capsys.disabled():
         print(f"\nbackend          completed jobs/s   enqueued   ({' '.join(OFFERED)})")
-        for backend, (rate, enqueued) in THROUGHPUT.items():
+        for backend, (rate, enqueued, _, _) in THROUGHPUT.items():
             print(f"{backend:<16} {rate:>16.1f}   {enqueued:>8}")
-    assert all(rate > 0 for rate, _ in THROUGHPUT.values())
+    # The figures compare like with like only if every variant ran the whole load correctly;
+    # the speed itself is never asserted.
+    for backend, (_, enqueued, valid, completed) in THROUGHPUT.items():
+        assert valid is True, backend
+        assert enqueued > 0 and completed == enqueued, backend
 
 
-def _in_fresh_python(code: str) -> str:
+def _in_fresh_python(code: str, *args: str) -> str:
     """Run code in a new interpreter: importing the producers module patches the world with
     gevent, which must not happen inside the test process."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           timeout=60, check=False, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
@@ -258,3 +290,301 @@ def test_producer_makes_psycopg_cooperative_even_if_imported_first() -> None:
         "print(blocking, psycopg.waiting.wait.__name__)"
     )
     assert out.split()[1] in ("wait_poll", "wait_select", "wait_selector")
+
+
+# Runs in a fresh interpreter (the producers module patches the world with gevent).
+COMMIT_ERROR_SCRIPT = """
+import scenarios.producers as p
+import json, sys, psycopg
+from pathlib import Path
+from psycopg import sql
+from locust import events
+from locust.env import Environment
+from queue_impl.interface import Account
+from queue_impl.plugins import BackendSpec
+from reports.history import ENQUEUES_FILE, JsonlWriter
+from scenarios.spec import load
+
+dsn, schema, run_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+spec = load("steady", ["enqueue_batch=1"])
+backend = BackendSpec(name="pg", dsn=dsn, schema=schema)
+queue = backend.create()
+queue.setup()
+queue.upsert_accounts([Account(id=a, concurrency_limit=n)
+                       for a, n in spec.account_limits().items()])
+queue.close()
+s = sql.Identifier(schema)
+with psycopg.connect(dsn, autocommit=True) as conn:
+    conn.execute(sql.SQL("CREATE TABLE {}.refuse (on_ boolean)").format(s))
+    conn.execute(sql.SQL(
+        "CREATE FUNCTION {}.refuse_marked() RETURNS trigger LANGUAGE plpgsql AS $$"
+        " BEGIN IF EXISTS (SELECT 1 FROM {}.refuse) THEN"
+        " RAISE EXCEPTION 'refused at commit'; END IF; RETURN NULL; END $$").format(s, s))
+    conn.execute(sql.SQL(
+        "CREATE CONSTRAINT TRIGGER refuse_marked AFTER INSERT ON {}.jobs"
+        " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {}.refuse_marked()"
+    ).format(s, s))
+p.CTX.spec = spec
+p.CTX.backend = backend
+p.CTX.target_url = "http://127.0.0.1:9/deliver"
+p.CTX.seed = 1
+p.CTX.process = "producer-0"
+p.CTX.writer = JsonlWriter(run_dir / ENQUEUES_FILE)
+user_class = p._user_class(spec, 1)
+user = user_class(Environment(user_classes=[user_class], events=events))
+user.on_start()
+user.enqueue()
+with psycopg.connect(dsn, autocommit=True) as conn:
+    conn.execute(sql.SQL("INSERT INTO {}.refuse VALUES (true)").format(s))
+user.enqueue()
+user.on_stop()
+p.CTX.writer.close()
+with psycopg.connect(dsn, autocommit=True) as conn:
+    rows = conn.execute(sql.SQL("SELECT id::text FROM {}.jobs").format(s)).fetchall()
+print(json.dumps([r[0] for r in rows]))
+"""
+
+
+def test_error_raised_at_commit_is_recorded_as_info(
+    pg_dsn: str, fresh_schema: str, tmp_path: Path
+) -> None:
+    """A deferred constraint trigger raises at COMMIT: the producer cannot know whether the
+    job is in the queue, so it must record `info`, not `fail`, whatever the error's class
+    (this one is a ProgrammingError, which at INSERT would be a definite failure)."""
+    out = _in_fresh_python(COMMIT_ERROR_SCRIPT, pg_dsn, fresh_schema, str(tmp_path))
+    in_queue = json.loads(out.splitlines()[-1])
+    ops: dict[str, list[dict[str, Any]]] = {}
+    for op in read_jsonl(tmp_path / ENQUEUES_FILE):
+        ops.setdefault(op["job_id"], []).append(op)
+    assert len(ops) == 2
+    first, second = sorted(ops.values(), key=lambda seq: seq[0]["time"])
+    assert [op["type"] for op in first] == ["invoke", "ok"]
+    assert [op["type"] for op in second] == ["invoke", "info"]
+    # A ProgrammingError: `fail` if it had come from the statement rather than the COMMIT.
+    assert second[1]["error"].startswith("RaiseException: refused at commit")
+    # The error came at COMMIT: the statement itself ran, and the job is not in the queue.
+    assert in_queue == [first[0]["job_id"]]
+
+
+class _Proc:
+    """A subprocess with the multiprocess.Process surface the runner uses."""
+
+    def __init__(self, name: str, seconds: float) -> None:
+        import subprocess
+        import sys
+
+        self.name = name
+        self._popen = subprocess.Popen([sys.executable, "-c",
+                                        f"import time; time.sleep({seconds})"])
+        self.pid = self._popen.pid
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        import subprocess
+
+        with __import__("contextlib").suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout)
+
+    @property
+    def exitcode(self) -> int | None:
+        code = self._popen.poll()
+        return None if code is None else int(code)
+
+
+def test_a_producer_stopped_for_overrunning_is_not_a_harness_failure() -> None:
+    from scenarios.errors import HarnessError
+    from scenarios.runner import _check_producers, _wait_phases
+
+    spec = spec_mod.load("steady", ["warmup=0", "duration=0.2"])
+    prompt, overrun = _Proc("prompt", 0.0), _Proc("overrun", 120.0)
+    phases: list[str] = []
+    stopped = _wait_phases(spec, [prompt, overrun], time.time(), phases.append,
+                           overrun_seconds=0.5)
+    assert stopped == ["overrun"]
+    assert phases == ["load"]
+    assert not overrun.is_alive() and overrun.exitcode == -signal.SIGTERM
+    _check_producers([prompt, overrun], stopped)  # our own stop: no error
+    with pytest.raises(HarnessError, match="overrun"):
+        _check_producers([prompt, overrun])  # the same exit code on its own is a failure
+
+
+def _descendants(root: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _in_group(pgid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with __import__("contextlib").suppress(OSError, ValueError):
+                if os.getpgid(int(entry.name)) == pgid and _running(int(entry.name)):
+                    found.add(int(entry.name))
+    return found
+
+
+def _poll(condition: Any, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_sigterm_mid_load_cleans_up_and_leaves_a_judgeable_run(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    from reports.checker import check_run
+
+    env = {**os.environ, "SKIPLOCK_PG_DSN": pg_dsn}
+    with (tmp_path / "stderr").open("w") as err:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "scenarios.cli", "run", "steady", "--quiet", "--seed", "1",
+             "--out", str(tmp_path / "runs"), "--warmup", "0.5", "--duration", "60",
+             "--rate", "40"],
+            cwd=Path(__file__).parents[2], env=env, stdout=subprocess.DEVNULL, stderr=err,
+            start_new_session=True,
+        )
+        try:
+            def loading() -> bool:
+                dirs = list((tmp_path / "runs").glob("*"))
+                if not dirs or not (dirs[0] / ENQUEUES_FILE).exists():
+                    return False
+                text = (dirs[0] / ENQUEUES_FILE).read_text()
+                return text.count('"type": "ok"') + text.count('"type":"ok"') >= 20
+
+            assert _poll(loading, 90.0), (tmp_path / "stderr").read_text()
+            children = {pid: _cmdline(pid) for pid in _descendants(run.pid)}
+            assert len(children) >= 4  # target, 2 workers, a producer (and perhaps more)
+            run.send_signal(signal.SIGTERM)
+            code = run.wait(timeout=90)
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait()
+    stderr = (tmp_path / "stderr").read_text()
+    assert code == 143, stderr
+    assert "terminated" in stderr
+    # Every process the run started was stopped and reaped before it exited...
+    leftover = {pid for pid, cmd in children.items()
+                if _running(pid) and "resource_tracker" not in cmd} | {
+        pid for pid in _in_group(run.pid) if "resource_tracker" not in _cmdline(pid)}
+    assert leftover == set(), {pid: _cmdline(pid) for pid in leftover}
+    # ...except multiprocessing's resource tracker, which leaves when its parent has gone.
+    assert _poll(lambda: not any(_running(pid) for pid in children) and not _in_group(run.pid),
+                 10.0), {pid: cmd for pid, cmd in children.items() if _running(pid)}
+
+    run_dir = next((tmp_path / "runs").glob("*"))
+    info = read_json(run_dir / RUN_FILE)
+    assert info["exit_reason"] == "interrupted"
+    assert info["final_snapshot"] == "taken after the interrupt"
+    rows = list(read_jsonl(run_dir / FINAL_JOBS_FILE))
+    assert info["final_jobs"] == len(rows) > 0
+    verdict = check_run([run_dir])
+    assert verdict.valid == "unknown", verdict.to_json()
+    assert verdict.exit_code == 3
+
+
+def test_interrupted_snapshot_on_an_unreachable_server_writes_nothing(tmp_path: Path) -> None:
+    from queue_impl.plugins import BackendSpec
+    from scenarios.runner import _interrupted_snapshot
+
+    # Port 1 on loopback: nothing listens, so the connection is refused at once.
+    backend = BackendSpec(name="pg", dsn="postgresql://postgres@127.0.0.1:1/none")
+    rows, note = _interrupted_snapshot(backend, tmp_path / FINAL_JOBS_FILE, seconds=2.0)
+    assert rows is None
+    assert note.startswith("not taken: ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_target_dies_with_its_parent(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal\n"
+        "from pathlib import Path\n"
+        "from chaos.target import TargetProcess\n"
+        f"target = TargetProcess(Path({str(tmp_path)!r})).start()\n"
+        "print(target.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False, cwd=Path(__file__).parents[2])
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    pid = int(done.stdout.split()[0])
+    died = _poll(lambda: not _running(pid), 20.0)
+    if not died:
+        os.kill(pid, signal.SIGKILL)
+    assert died
+
+
+def test_demo_latency_starts_at_the_ack_and_ends_at_the_first_timely_2xx(
+    tmp_path: Path
+) -> None:
+    from reports.history import JsonlWriter
+    from scenarios.cmd_demo import latencies
+
+    (tmp_path / DELIVERIES_DIR).mkdir()
+    with JsonlWriter(tmp_path / ENQUEUES_FILE) as enq:
+        for job, ack in (("a", 100.5), ("b", 100.2), ("c", 100.0)):
+            enq.write({"type": "invoke", "job_id": job, "time": 100.0})
+            enq.write({"type": "ok", "job_id": job, "time": ack})
+    with JsonlWriter(tmp_path / DELIVERIES_DIR / "target-0.jsonl") as dels:
+        # a: its first 2xx came after the 1 s timeout (nobody got it); the retry's counts.
+        dels.write({"job_id": "a", "received": 101.0, "answered": 103.0, "status": 200})
+        dels.write({"job_id": "a", "received": 104.0, "answered": 104.1, "status": 200})
+        dels.write({"job_id": "b", "received": 100.6, "answered": 100.7, "status": 503})
+        dels.write({"job_id": "b", "received": 100.7, "answered": 100.8, "status": 200})
+        # c: never answered 2xx in time: not counted.
+        dels.write({"job_id": "c", "received": 100.1, "answered": None, "status": None})
+    lat = latencies(tmp_path, http_timeout=1.0)
+    assert lat["jobs"] == 2
+    assert lat["p50"] == pytest.approx(((104.0 - 100.5) + (100.7 - 100.2)) / 2)
+
+
+def test_live_progress_labels_repeat_deliveries_without_calling_them_anomalies() -> None:
+    from scenarios.progress import Sample, _table
+
+    sample = Sample(time=0.0, elapsed=1.0, phase="load", invoked=5, enqueued=5,
+                    enqueue_errors=0, delivered=6, delivered_ok=6, duplicates=2, completed=4,
+                    failed=0, in_flight=1, queue_depth=0, rate=5.0)
+    table = _table(sample, "t")
+    labels = list(table.columns[0].cells)
+    values = list(table.columns[1].cells)
+    row = labels.index("repeat deliveries after a 2xx (judged after the run)")
+    assert values[row] == "2"  # plain text: no red, no "duplicate" alarm
+    assert not any("duplicate" in str(label) for label in labels)
