@@ -26,6 +26,7 @@ from queue_impl.interface import (
     Outcome,
     WriteResult,
 )
+from queue_impl.validate import check_jobs
 
 
 @dataclass(kw_only=True)
@@ -95,9 +96,8 @@ class InMemoryQueue:
             ids = [job.id for job in jobs]
             if len(set(ids)) != len(ids) or any(i in self._jobs for i in ids):
                 raise ValueError("duplicate job id in enqueue")
+            check_jobs(jobs)
             for job in jobs:
-                if job.max_attempts <= 0:
-                    raise ValueError("max_attempts must be positive")
                 self._limits.setdefault(job.account_id, None)
                 self._jobs[job.id] = _Job(
                     id=job.id,

@@ -44,6 +44,7 @@ from queue_impl.interface import (
     WriteResult,
 )
 from queue_impl.sqlfile import statements_with_overrides
+from queue_impl.validate import check_jobs
 
 Variant = BackendName
 VARIANTS: tuple[Variant, ...] = get_args(BackendName)
@@ -247,6 +248,7 @@ class PgQueue:
     def enqueue(self, jobs: Sequence[NewJob]) -> None:
         if not jobs:
             return
+        check_jobs(jobs)
         params = {
             "job_ids": [j.id for j in jobs],
             "account_ids": [j.account_id for j in jobs],

@@ -27,7 +27,8 @@ CREATE TABLE IF NOT EXISTS accounts (
 CREATE TABLE IF NOT EXISTS jobs (
     id uuid PRIMARY KEY,
     account_id text NOT NULL REFERENCES accounts (id),
-    target_url text NOT NULL,
+    -- Enqueue refuses other schemes first; this is the second line of defence.
+    target_url text NOT NULL CONSTRAINT jobs_target_url_http CHECK (target_url ~* '^https?://'),
     payload jsonb NOT NULL,
     status text NOT NULL DEFAULT 'PENDING'
         CHECK (status IN ('PENDING', 'PROCESSING', 'RETRYING', 'COMPLETED', 'FAILED')),
@@ -44,6 +45,20 @@ CREATE TABLE IF NOT EXISTS jobs (
     created_at timestamptz NOT NULL DEFAULT skiplock_now(),
     finished_at timestamptz
 );
+
+-- A schema created before the URL check existed gets it too (NOT VALID: rows already there
+-- are left alone; every new or changed row is checked).
+DO $$
+BEGIN
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_constraint
+        WHERE conrelid = 'jobs'::regclass AND conname = 'jobs_target_url_http'
+    ) THEN
+        ALTER TABLE jobs ADD CONSTRAINT jobs_target_url_http
+            CHECK (target_url ~* '^https?://') NOT VALID;
+    END IF;
+END
+$$;
 
 -- The seed's three partial indexes: each claim CTE and the recovery scan reads only its own.
 CREATE INDEX IF NOT EXISTS jobs_pending ON jobs (run_at, id) WHERE status = 'PENDING';

@@ -4,10 +4,12 @@ by the test (`advance`), never slept."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -272,3 +274,28 @@ def test_bad_arguments_are_refused(clocked: Clocked) -> None:
         clocked.queue.claim("w", 0, LEASE)
     with pytest.raises(ValueError):
         clocked.queue.recover(0)
+
+
+BAD_JOBS: dict[str, tuple[dict[str, Any], str]] = {
+    "ftp": ({"target_url": "ftp://127.0.0.1/x"}, r"not http\(s\)"),
+    "javascript": ({"target_url": "javascript:alert(1)"}, r"not http\(s\)"),
+    "no host": ({"target_url": "http:///deliver"}, "no host"),
+    "newline in url": ({"target_url": "http://t/\r\nX-Evil: 1"}, "control characters"),
+    "header injection": ({"account_id": "a\r\nX-Evil: 1"}, "account_id"),
+    "zero attempts": ({"max_attempts": 0}, "max_attempts"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_JOBS), ids=list(BAD_JOBS))
+def test_enqueue_refuses_bad_input_and_writes_none_of_the_batch(clocked: Clocked, bad: str) -> None:
+    fields, message = BAD_JOBS[bad]
+    good = job()
+    changes: dict[str, Any] = {"target_url": "https://127.0.0.1:9/deliver", **fields}
+    wrong = dataclasses.replace(job(), **changes)
+    with pytest.raises(ValueError, match=message) as raised:
+        clocked.queue.enqueue([good, wrong])
+    text = str(raised.value)
+    assert str(wrong.id) in text and "\n" not in text
+    assert clocked.queue.snapshot() == []
+    clocked.queue.enqueue([good])  # the good job alone goes in
+    assert [s.job_id for s in clocked.queue.snapshot()] == [good.id]

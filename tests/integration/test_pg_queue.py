@@ -403,3 +403,45 @@ def test_for_update_variant_waits_where_the_reference_skips(
             claimer.join(timeout=30)
             waiting.close()
     assert got == [first.id]
+
+
+def wait_until_blocked(queue: PgQueue, watch: psycopg.Connection[Any]) -> None:
+    """Bounded poll until the queue's lease connection waits on a lock."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pid = queue.backend_pids().get("lease")
+        row = watch.execute(
+            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid]
+        ).fetchone()
+        if row is not None and row[0] == "Lock":
+            return
+        time.sleep(0.02)
+    raise AssertionError("the queue's statement never waited on the lock")
+
+
+def search_path(conn: psycopg.Connection[Any], schema: str) -> None:
+    conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+
+
+def test_schema_refuses_a_non_http_url_even_on_an_old_schema(
+    queue: PgQueue, pg_dsn: str, fresh_schema: str
+) -> None:
+    insert = (
+        "INSERT INTO jobs (id, account_id, target_url, payload) "
+        "VALUES (gen_random_uuid(), 'a', %s, '{}')"
+    )
+    queue.upsert_accounts([Account(id="a")])
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        search_path(conn, fresh_schema)
+        with pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute(insert, ["ftp://t/"])
+        # A schema from before the check: setup() adds it, and again is a no-op.
+        conn.execute("ALTER TABLE jobs DROP CONSTRAINT jobs_target_url_http")
+        conn.execute(insert, ["javascript:alert(1)"])
+    queue.setup()
+    queue.setup()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        search_path(conn, fresh_schema)
+        with pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute(insert, ["ftp://t/"])
+        conn.execute(insert, ["HTTPS://t/"])

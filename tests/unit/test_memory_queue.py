@@ -176,3 +176,28 @@ def test_a_factory_must_return_a_queue_backend() -> None:
         BackendSpec(name="builtins:dict").create()
     with pytest.raises(ValueError, match="cannot be called as factory"):
         BackendSpec(name="queue_impl.memory:FencedWrite").create()
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://t/", "HTTPS://127.0.0.1:8443/deliver?x=1", "http://[::1]:9/deliver"],
+)
+def test_enqueue_accepts_any_http_url(url: str) -> None:
+    q = InMemoryQueue()
+    new = NewJob(id=uuid.uuid4(), account_id="a", target_url=url, payload={})
+    q.enqueue([new])
+    assert [s.job_id for s in q.snapshot()] == [new.id]
+
+
+def test_enqueue_refuses_a_naive_run_at() -> None:
+    q = InMemoryQueue()
+    new = NewJob(
+        id=uuid.uuid4(),
+        account_id="a",
+        target_url="http://t/",
+        payload={},
+        run_at=datetime(2030, 1, 1),
+    )
+    with pytest.raises(ValueError, match="timezone"):
+        q.enqueue([new])
+    assert q.snapshot() == []
