@@ -121,6 +121,10 @@ class PgQueue:
             application_name=f"skiplock-{self.variant}-{role.value}",
         )
         try:
+            # The claim's limit proof needs READ COMMITTED (its second statement must see what
+            # committed while the first waited for the account locks); a DSN or server default
+            # of REPEATABLE READ would also turn every lock wait into a serialization failure.
+            conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
             conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
             if self._pinned is not None:
                 conn.execute(

@@ -445,3 +445,62 @@ def test_schema_refuses_a_non_http_url_even_on_an_old_schema(
         with pytest.raises(psycopg.errors.CheckViolation):
             conn.execute(insert, ["ftp://t/"])
         conn.execute(insert, ["HTTPS://t/"])
+
+
+@pytest.mark.parametrize("variant", ["pg", "pg-for-update", "pg-long-tx", "pg-naive"])
+def test_claims_work_when_the_server_defaults_to_repeatable_read(
+    pg_dsn: str, fresh_schema: str, variant: str
+) -> None:
+    """The claim's limit proof needs READ COMMITTED (step 2's fresh snapshot); the queue sets
+    it on its own connections, whatever the DSN or server default says."""
+    rr_dsn = psycopg.conninfo.make_conninfo(
+        pg_dsn, options=r"-c default_transaction_isolation=repeatable\ read"
+    )
+    queue = PgQueue(rr_dsn, schema=fresh_schema, variant=variant)  # type: ignore[arg-type]
+    queue.setup()
+    queue.upsert_accounts([Account(id="one", concurrency_limit=1)])
+    now = datetime.now(UTC)
+    first, second = (
+        NewJob(id=uuid.uuid4(), account_id="one", target_url="http://t/", payload={}, run_at=at)
+        for at in (now - timedelta(seconds=2), now - timedelta(seconds=1))
+    )
+    queue.enqueue([first, second])
+    got: list[uuid.UUID] = []
+    errors: list[BaseException] = []
+
+    def claim() -> None:
+        try:
+            got.extend(lease.job_id for lease in queue.claim("w", 2, LEASE))
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    try:
+        with psycopg.connect(pg_dsn) as holder, psycopg.connect(pg_dsn, autocommit=True) as watch:
+            search_path(holder, fresh_schema)
+            # Another claimer's transaction: it holds the account and has just taken `first`.
+            holder.execute("SELECT id FROM accounts WHERE id = 'one' FOR NO KEY UPDATE")
+            holder.execute(
+                "UPDATE jobs SET status = 'PROCESSING', attempts = 1, lease_token = "
+                "gen_random_uuid(), locked_until = now() + interval '1 hour' WHERE id = %s",
+                [first.id],
+            )
+            if variant == "pg-for-update":
+                claimer = threading.Thread(target=claim)
+                claimer.start()
+                try:
+                    wait_until_blocked(queue, watch)
+                finally:
+                    holder.commit()
+                    claimer.join(timeout=30)
+            else:
+                holder.commit()
+                claim()
+        assert errors == []
+        if variant == "pg-naive":
+            assert got == [second.id]  # no limits, no locks: only that it runs at all
+        else:
+            # The account's one slot is taken: nothing more may be claimed for it.
+            assert got == []
+        assert {s.job_id: s.status for s in queue.snapshot()}[first.id] is JobStatus.PROCESSING
+    finally:
+        queue.close()
