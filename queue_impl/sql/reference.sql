@@ -18,6 +18,18 @@ AS $$
     )
 $$;
 
+-- The base of a lease deadline (claim, renew): the time the row is actually taken, not the
+-- start of the statement, which under pg-for-update may have waited on locks first and would
+-- hand out a lease already partly spent. The pinned clock still wins, for tests.
+CREATE OR REPLACE FUNCTION skiplock_lease_base() RETURNS timestamptz
+LANGUAGE sql VOLATILE
+AS $$
+    SELECT COALESCE(
+        NULLIF(current_setting('skiplock.now', true), '')::timestamptz,
+        clock_timestamp()
+    )
+$$;
+
 CREATE TABLE IF NOT EXISTS accounts (
     id text PRIMARY KEY,
     -- NULL: unlimited, and claims for the account take no account lock.
@@ -228,7 +240,7 @@ claimed AS (
     UPDATE jobs AS j
     SET status = 'PROCESSING',
         attempts = j.attempts + 1,
-        locked_until = skiplock_now() + %(lease)s::interval,
+        locked_until = skiplock_lease_base() + %(lease)s::interval,
         lease_token = gen_random_uuid(),
         locked_by = %(worker_id)s
     FROM picked AS p
@@ -321,7 +333,7 @@ claimed AS (
     UPDATE jobs AS j
     SET status = 'PROCESSING',
         attempts = j.attempts + 1,
-        locked_until = skiplock_now() + %(lease)s::interval,
+        locked_until = skiplock_lease_base() + %(lease)s::interval,
         lease_token = gen_random_uuid(),
         locked_by = %(worker_id)s
     FROM picked AS p
@@ -355,7 +367,7 @@ claimed AS (
     UPDATE jobs AS j
     SET status = 'PROCESSING',
         attempts = j.attempts + 1,
-        locked_until = skiplock_now() + %(lease)s::interval,
+        locked_until = skiplock_lease_base() + %(lease)s::interval,
         lease_token = gen_random_uuid(),
         locked_by = %(worker_id)s
     WHERE j.id = ANY(%(job_ids)s::uuid[])
@@ -439,7 +451,7 @@ held AS (
 -- Extend only leases still held (same token, still PROCESSING).
 extended AS (
     UPDATE jobs AS j
-    SET locked_until = skiplock_now() + %(extend)s::interval
+    SET locked_until = skiplock_lease_base() + %(extend)s::interval
     FROM held AS h
     WHERE j.id = h.job_id AND j.lease_token = h.lease_token AND j.status = 'PROCESSING'
     RETURNING h.ord, j.locked_until

@@ -504,3 +504,32 @@ def test_claims_work_when_the_server_defaults_to_repeatable_read(
         assert {s.job_id: s.status for s in queue.snapshot()}[first.id] is JobStatus.PROCESSING
     finally:
         queue.close()
+
+
+def test_a_lease_starts_when_the_row_is_taken_not_when_the_claim_began(
+    queue: PgQueue, pg_dsn: str, fresh_schema: str
+) -> None:
+    [job] = jobs_for("a", 1)
+    queue.enqueue([job])
+    waiting = PgQueue(pg_dsn, schema=fresh_schema, variant="pg-for-update")
+    got: list[datetime] = []
+    claimer = threading.Thread(
+        target=lambda: got.extend(lease.locked_until for lease in waiting.claim("w", 1, LEASE))
+    )
+    try:
+        with psycopg.connect(pg_dsn) as holder, psycopg.connect(pg_dsn, autocommit=True) as watch:
+            search_path(holder, fresh_schema)
+            holder.execute("SELECT id FROM jobs WHERE id = %s FOR UPDATE", [job.id])
+            claimer.start()
+            try:
+                wait_until_blocked(waiting, watch)
+                row = holder.execute("SELECT clock_timestamp()").fetchone()
+                assert row is not None
+                released_at: datetime = row[0]
+            finally:
+                holder.commit()
+                claimer.join(timeout=30)
+    finally:
+        waiting.close()
+    # The claim statement began before the wait; the lease is counted from after it.
+    assert got and got[0] >= released_at + LEASE
