@@ -394,9 +394,20 @@ results AS (
     ) AS r (ord, job_id, lease_token, attempt, worker, outcome, http_status, error,
         retry_delay, finished_at)
 ),
+-- Lock the rows this call still holds, in id order, before changing any: every writer then
+-- takes its locks in one order, so overlapping batches in opposite orders queue instead of
+-- deadlocking (and losing a valid batch). Rows no longer held are not locked; they are fenced.
+held_rows AS MATERIALIZED (
+    SELECT j.id
+    FROM jobs AS j
+    JOIN results AS x ON x.job_id = j.id AND x.lease_token = j.lease_token
+    WHERE j.status = 'PROCESSING'
+    ORDER BY j.id
+    FOR UPDATE OF j
+),
 -- Apply each result only where its token still holds the lease (still PROCESSING, same
--- token). The row lock the UPDATE takes re-checks that against the latest row version, so a
--- concurrent recovery or claim wins or loses cleanly. Transient failures past max_attempts
+-- token). The row lock re-checks that against the latest row version, so a concurrent
+-- recovery or claim wins or loses cleanly. Transient failures past max_attempts
 -- become dead letters, keeping the last error.
 applied AS (
     UPDATE jobs AS j
@@ -417,6 +428,7 @@ applied AS (
         locked_until = NULL,
         lease_token = NULL
     FROM results AS r
+    JOIN held_rows AS l ON l.id = r.job_id
     WHERE j.id = r.job_id AND j.lease_token = r.lease_token AND j.status = 'PROCESSING'
     RETURNING r.ord, r.lease_token
 ),
@@ -448,11 +460,23 @@ held AS (
         %(attempts)s::integer[], %(workers)s::text[]
     ) AS h (ord, job_id, lease_token, attempt, worker)
 ),
+-- Lock the rows this call still holds, in id order, before changing any: every writer then
+-- takes its locks in one order, so overlapping batches in opposite orders queue instead of
+-- deadlocking (and losing a valid batch). Rows no longer held are not locked; they are fenced.
+held_rows AS MATERIALIZED (
+    SELECT j.id
+    FROM jobs AS j
+    JOIN held AS x ON x.job_id = j.id AND x.lease_token = j.lease_token
+    WHERE j.status = 'PROCESSING'
+    ORDER BY j.id
+    FOR UPDATE OF j
+),
 -- Extend only leases still held (same token, still PROCESSING).
 extended AS (
     UPDATE jobs AS j
     SET locked_until = skiplock_lease_base() + %(extend)s::interval
     FROM held AS h
+    JOIN held_rows AS l ON l.id = h.job_id
     WHERE j.id = h.job_id AND j.lease_token = h.lease_token AND j.status = 'PROCESSING'
     RETURNING h.ord, j.locked_until
 ),
@@ -475,6 +499,17 @@ held AS (
         %(attempts)s::integer[], %(workers)s::text[]
     ) AS h (ord, job_id, lease_token, attempt, worker)
 ),
+-- Lock the rows this call still holds, in id order, before changing any: every writer then
+-- takes its locks in one order, so overlapping batches in opposite orders queue instead of
+-- deadlocking (and losing a valid batch). Rows no longer held are not locked; they are fenced.
+held_rows AS MATERIALIZED (
+    SELECT j.id
+    FROM jobs AS j
+    JOIN held AS x ON x.job_id = j.id AND x.lease_token = j.lease_token
+    WHERE j.status = 'PROCESSING'
+    ORDER BY j.id
+    FOR UPDATE OF j
+),
 -- Back to due now, the attempt not counted: PENDING if it never ran, else RETRYING.
 released AS (
     UPDATE jobs AS j
@@ -484,6 +519,7 @@ released AS (
         locked_until = NULL,
         lease_token = NULL
     FROM held AS h
+    JOIN held_rows AS l ON l.id = h.job_id
     WHERE j.id = h.job_id AND j.lease_token = h.lease_token AND j.status = 'PROCESSING'
     RETURNING h.ord, h.lease_token
 ),

@@ -533,3 +533,50 @@ def test_a_lease_starts_when_the_row_is_taken_not_when_the_claim_began(
         waiting.close()
     # The claim statement began before the wait; the lease is counted from after it.
     assert got and got[0] >= released_at + LEASE
+
+
+def test_finish_locks_its_rows_in_id_order_whatever_the_batch_order(
+    queue: PgQueue, pg_dsn: str, fresh_schema: str
+) -> None:
+    """Two overlapping batches written in opposite orders cannot deadlock when every writer
+    takes its row locks in id order: shown by the lower id being locked while the statement
+    waits on the higher one, although the batch names the higher one first."""
+    low_job, high_job = sorted(jobs_for("a", 2), key=lambda j: j.id)
+    # The higher id first on disk too, so neither a scan of the table nor of the batch would
+    # reach the lower one first by accident.
+    queue.enqueue([high_job])
+    queue.enqueue([low_job])
+    low, high = sorted(queue.claim("w", 2, LEASE), key=lambda lease: lease.job_id)
+    results: list[WriteResult] = []
+    writer = PgQueue(pg_dsn, schema=fresh_schema)
+    finisher = threading.Thread(
+        target=lambda: results.extend(
+            writer.finish(
+                [AttemptResult(lease=lease, outcome=Outcome.SUCCESS) for lease in (high, low)]
+            )
+        )
+    )
+    try:
+        with (
+            psycopg.connect(pg_dsn) as holder,
+            psycopg.connect(pg_dsn) as probe,
+            psycopg.connect(pg_dsn, autocommit=True) as watch,
+        ):
+            search_path(holder, fresh_schema)
+            search_path(probe, fresh_schema)
+            holder.execute("SELECT id FROM jobs WHERE id = %s FOR UPDATE", [high.job_id])
+            writer.snapshot()  # opens its connections before the race
+            finisher.start()
+            try:
+                wait_until_blocked(writer, watch)
+                with pytest.raises(psycopg.errors.LockNotAvailable):
+                    probe.execute(
+                        "SELECT id FROM jobs WHERE id = %s FOR UPDATE NOWAIT", [low.job_id]
+                    )
+                probe.rollback()
+            finally:
+                holder.commit()
+                finisher.join(timeout=30)
+    finally:
+        writer.close()
+    assert results == [WriteResult.APPLIED, WriteResult.APPLIED]
