@@ -6,19 +6,25 @@ written `%%`. `statements_with_overrides(FILE)` replaces the reference blocks by
 file's (the `--sql FILE` option), so a team can gate its own queue SQL; names the file does
 not define fall back to the reference.
 
-Every statement runs with `search_path` set to the queue's schema and must read the time from
-`skiplock_now()`, so that tests can pin the clock. Arrays are passed aligned, one element per
+Every statement runs with `search_path` set to the queue's schema, in a READ COMMITTED
+transaction (the queue sets it on its connections), and must read the time from
+`skiplock_now()`, or `skiplock_lease_base()` for a lease deadline, so that tests can pin the
+clock. Arrays are passed aligned, one element per
 job, and `ords` numbers the caller's items 0..n-1 so a block can say which ones it applied.
 
 Blocks (placeholders; optional ones in brackets) and what each must do and return:
 
-- `schema` (none; run as one script): create `skiplock_now()`, tables `accounts`, `jobs`,
-  `job_attempts`, `fenced_writes` and their indexes if missing.
+- `schema` (none; run as one script): create `skiplock_now()` (the pinned clock, else
+  `statement_timestamp()`), `skiplock_lease_base()` (the pinned clock, else
+  `clock_timestamp()`), tables `accounts`, `jobs` (with a check that `target_url` is
+  http(s)), `job_attempts`, `fenced_writes` and their indexes if missing; idempotent.
 - `setup_lock` (`lock_key`): take a transaction-level advisory lock (serialises `schema`).
 - `upsert_accounts` (`account_ids`, `limits`): insert accounts or update their
   `concurrency_limit` (NULL: unlimited).
 - `enqueue` (`job_ids`, `account_ids`, `target_urls`, `payloads`, `run_ats`, `max_attempts`):
   insert the batch as PENDING (NULL `run_at`: due now), creating missing accounts unlimited.
+  The queue has already checked the batch (http(s) URLs, account ids free of control
+  characters, `max_attempts` of 1 or more) and refused it whole if any job was bad.
 - `notify` (`channel`): `pg_notify` the channel; runs in the enqueue transaction.
 - `claim_lock_accounts` (none): lock the limited accounts that have due work,
   `FOR UPDATE SKIP LOCKED`, in id order; return their `id`.
@@ -26,7 +32,8 @@ Blocks (placeholders; optional ones in brackets) and what each must do and retur
   snapshot follows the locks: count active jobs per locked account; pick due PENDING and due
   RETRYING rows `FOR UPDATE SKIP LOCKED` for unlimited accounts or locked ones with free
   slots; cut to the free slots and to `batch`; set PROCESSING, `attempts + 1`,
-  `locked_until = now + lease`, a fresh `lease_token`, `locked_by`; insert a `job_attempts`
+  `locked_until = skiplock_lease_base() + lease` (counted from when the row is taken, not
+  from when the statement began), a fresh `lease_token`, `locked_by`; insert a `job_attempts`
   row; return `id, account_id, target_url, payload, attempts, max_attempts, lease_token,
   locked_until, locked_by`.
 - `claim_lock_accounts_wait`, `claim_wait` (as above): the `pg-for-update` variant, the same
@@ -35,16 +42,18 @@ Blocks (placeholders; optional ones in brackets) and what each must do and retur
 - `naive_take` (`job_ids`, `lease`, `worker_id`): the `pg-naive` variant: lease those ids
   with no status re-check; return as `claim`.
 - `finish` (`ords`, `job_ids`, `lease_tokens`, `outcomes`, `retry_delays` [`attempts`,
-  `workers`, `http_statuses`, `errors`, `finished_ats`]): only where still PROCESSING with
+  `workers`, `http_statuses`, `errors`, `finished_ats`]): lock the rows still held in id
+  order first (so overlapping batches cannot deadlock); only where still PROCESSING with
   the same token: success -> COMPLETED; permanent -> FAILED; transient -> RETRYING at
   now + delay, or FAILED at max_attempts (keeping the error); close the `job_attempts` row;
   record the others in `fenced_writes`; return the applied `ord`s.
-- `renew` (`ords`, `job_ids`, `lease_tokens`, `extend` [`attempts`, `workers`]): extend
-  `locked_until` to now + extend for leases still held; record the others as fenced; return
+- `renew` (`ords`, `job_ids`, `lease_tokens`, `extend` [`attempts`, `workers`]): lock the
+  rows still held in id order, then extend `locked_until` to `skiplock_lease_base()` +
+  extend; record the others as fenced; return
   `ord, locked_until`.
-- `release` (`ords`, `job_ids`, `lease_tokens` [`attempts`, `workers`]): for leases still
-  held, back to due now with `attempts - 1` and the token cleared; record the others as
-  fenced; return the applied `ord`s.
+- `release` (`ords`, `job_ids`, `lease_tokens` [`attempts`, `workers`]): lock the rows
+  still held in id order, then back to due now with `attempts - 1` and the token cleared;
+  record the others as fenced; return the applied `ord`s.
 - `recover` (`limit`): move up to `limit` expired leases, `FOR UPDATE SKIP LOCKED`, to
   RETRYING (due now) or FAILED at max_attempts; close their `job_attempts` rows as
   `lease_expired`; return one row whose first column is the count.
