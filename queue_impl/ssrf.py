@@ -10,7 +10,14 @@ one connected to (`PinnedResolver`), so a second lookup cannot rebind the name t
 address. Redirects are never followed (the dispatcher's job, not this module's).
 
 `--allow-target HOST:PORT` admits exactly that host and port: the harness's own echo target
-on loopback. It matches on the literal host of the URL, or on a resolved IP and the port.
+on loopback. It matches on the literal host of the URL, or on a resolved IP and the port. An
+entry given as a host name admits whatever that name resolves to when a job is vetted, so
+whoever controls its DNS decides what is admitted: list literal IP addresses where possible.
+
+Name resolution fails in two ways that mean different things (`ResolutionFailed`): a
+temporary failure (no answer, a failing name server) may succeed later and is retried; a name
+that does not exist (NXDOMAIN) is the name server's answer and is not. A host name that cannot
+be a DNS name at all (an empty or over-long label) is refused outright (`TargetRefused`).
 """
 
 from __future__ import annotations
@@ -48,6 +55,28 @@ _NUMERIC_PART = re.compile(r"^(0x[0-9a-f]*|[0-9]+)$")
 
 class TargetRefused(Exception):
     """The URL may not be called. The message says why; nothing was sent."""
+
+
+class ResolutionFailed(Exception):
+    """The host name could not be resolved; nothing was sent. `temporary` is False only when
+    the name server answered that the name does not exist, so asking again will not help."""
+
+    def __init__(self, message: str, *, temporary: bool) -> None:
+        super().__init__(message)
+        self.temporary = temporary
+
+
+# getaddrinfo's answers that the name has no address at all, as opposed to no answer yet.
+# EAI_NODATA and EAI_ADDRFAMILY are glibc extensions, absent on some platforms.
+_NAME_MISSING = frozenset(
+    code
+    for code in (
+        socket.EAI_NONAME,
+        getattr(socket, "EAI_NODATA", None),
+        getattr(socket, "EAI_ADDRFAMILY", None),
+    )
+    if code is not None
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,6 +196,10 @@ def forbidden_reason(address: IPAddress) -> str | None:
         return "a link-local address"
     if address.is_multicast:
         return "a multicast address"
+    if isinstance(address, ipaddress.IPv6Address) and address.is_site_local:
+        # fec0::/10 is deprecated (RFC 3879) but still routed inside some networks, and
+        # Python counts it as global.
+        return "a site-local address"
     if address.is_reserved:
         return "a reserved address"
     if address.is_private:
@@ -178,13 +211,31 @@ def forbidden_reason(address: IPAddress) -> str | None:
     return None
 
 
+def resolution_error(host: str, exc: Exception) -> TargetRefused | ResolutionFailed:
+    """What a failed lookup of `host` means for the job: a refusal for a name that can never
+    resolve, a permanent failure for a name that does not exist, else a temporary one."""
+    if isinstance(exc, ValueError):
+        # UnicodeError from the IDNA codec (an empty or over-long label), or an embedded NUL:
+        # raised before any query is sent, and it will never resolve.
+        return TargetRefused(
+            f"refused by SSRF guard: {host!r} is not a valid host name ({_first_line(exc)})"
+        )
+    if isinstance(exc, socket.gaierror) and exc.errno in _NAME_MISSING:
+        return ResolutionFailed(
+            f"cannot resolve {host!r}: {_first_line(exc)} (the name does not exist)",
+            temporary=False,
+        )
+    return ResolutionFailed(f"cannot resolve {host!r}: {_first_line(exc)}", temporary=True)
+
+
 async def system_resolver(host: str, port: int) -> list[str]:
-    """Resolve with the operating system, once, returning every address."""
+    """Resolve with the operating system, once, returning every address. Raises TargetRefused
+    or ResolutionFailed (`resolution_error`)."""
     loop = asyncio.get_running_loop()
     try:
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise TargetRefused(f"cannot resolve {host!r}: {exc}") from None
+    except (OSError, ValueError) as exc:
+        raise resolution_error(host, exc) from None
     seen: list[str] = []
     for _family, _type, _proto, _name, sockaddr in infos:
         address = str(sockaddr[0]).split("%", 1)[0]
@@ -215,7 +266,8 @@ class UrlGuard:
         return False
 
     async def vet(self, url: str) -> VettedTarget:
-        """Check `url` and pick the address to connect to, or raise TargetRefused."""
+        """Check `url` and pick the address to connect to, or raise TargetRefused (never to
+        be called) or ResolutionFailed (its name did not resolve)."""
         # Parse with yarl, as aiohttp will: two parsers that disagree on a tricky URL (a
         # backslash, an "@" in the wrong place, IDNA digits) are a classic SSRF bypass.
         try:
@@ -249,7 +301,13 @@ class UrlGuard:
         if literal is not None:
             addresses: list[IPAddress] = [literal]
         else:
-            resolved = await self._resolver(host, port)
+            try:
+                resolved = await self._resolver(host, port)
+            except (TargetRefused, ResolutionFailed):
+                raise
+            except (OSError, ValueError) as exc:
+                # A resolver passed in may raise what getaddrinfo raises: classify it the same.
+                raise resolution_error(host, exc) from None
             addresses = []
             for text in resolved:
                 try:

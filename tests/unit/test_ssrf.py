@@ -1,20 +1,26 @@
-"""The SSRF guard against hostile URLs. No DNS here: names resolve through a fake table."""
+"""The SSRF guard against hostile URLs. No DNS here: names resolve through a fake table, and
+the tests of the system resolver use inputs that fail before any query leaves the machine
+(names the IDNA codec rejects, numeric addresses) or a stubbed `socket.getaddrinfo`."""
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import socket
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
 from queue_impl.ssrf import (
     AllowedTarget,
     PinnedResolver,
+    ResolutionFailed,
     TargetRefused,
     UrlGuard,
     VettedTarget,
     parse_ipv4_loose,
+    system_resolver,
 )
 
 DNS: dict[str, list[str]] = {
@@ -62,6 +68,8 @@ HOSTILE = [
     ("http://172.31.255.254/", "private"),
     ("http://192.168.1.1/", "private"),
     ("http://[fd00::1]/", "private"),
+    ("http://[fec0::1]/", "site-local"),  # deprecated, but still routed inside some sites
+    ("http://[feff:ffff::1]/", "site-local"),
     ("http://0.0.0.0/", "unspecified"),
     ("http://[::]/", "unspecified"),
     ("http://224.0.0.1/", "multicast"),
@@ -189,3 +197,95 @@ def test_pinned_resolver_returns_only_the_vetted_address() -> None:
             await resolver.resolve("public.example", 81)
 
     asyncio.run(go())
+
+
+# -- the system resolver's own failure modes ----------------------------------------------
+
+LONG_LABEL = "a" * 64 + ".com"
+
+
+@pytest.mark.parametrize("host", ["a..com", LONG_LABEL, "."])
+def test_system_resolver_refuses_a_name_the_idna_codec_rejects(host: str) -> None:
+    # Python encodes the name before calling getaddrinfo, and raises UnicodeError for an
+    # empty or over-long label: nothing is asked of any DNS server.
+    with pytest.raises(TargetRefused) as info:
+        asyncio.run(system_resolver(host, 80))
+    assert "not a valid host name" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("url", ["http://a..com/", f"http://{LONG_LABEL}/"])
+def test_guard_with_the_system_resolver_refuses_a_malformed_name(url: str) -> None:
+    with pytest.raises(TargetRefused, match="not a valid host name"):
+        asyncio.run(UrlGuard().vet(url))
+
+
+def test_system_resolver_returns_a_numeric_address_without_asking_dns() -> None:
+    assert asyncio.run(system_resolver("127.0.0.1", 80)) == ["127.0.0.1"]
+
+
+def stub_getaddrinfo(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> list[str]:
+    """Make every getaddrinfo raise `error`, recording the names asked for."""
+    asked: list[str] = []
+
+    def fake(host: Any, *args: Any, **kwargs: Any) -> Any:
+        asked.append(str(host))
+        raise error
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+    return asked
+
+
+@pytest.mark.parametrize(
+    ("errno", "temporary"),
+    [
+        (socket.EAI_AGAIN, True),  # "temporary failure in name resolution"
+        (socket.EAI_FAIL, True),  # the name server failed (SERVFAIL): may recover
+        (socket.EAI_NONAME, False),  # the name does not exist (NXDOMAIN)
+    ],
+)
+def test_system_resolver_tells_temporary_failures_from_missing_names(
+    monkeypatch: pytest.MonkeyPatch, errno: int, temporary: bool
+) -> None:
+    asked = stub_getaddrinfo(monkeypatch, socket.gaierror(errno, "stubbed failure"))
+    with pytest.raises(ResolutionFailed) as info:
+        asyncio.run(system_resolver("hooks.example", 443))
+    assert asked == ["hooks.example"]
+    assert info.value.temporary is temporary
+    assert "hooks.example" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_system_resolver_treats_another_os_error_as_temporary(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stub_getaddrinfo(monkeypatch, OSError(24, "Too many open files"))
+    with pytest.raises(ResolutionFailed) as info:
+        asyncio.run(system_resolver("hooks.example", 443))
+    assert info.value.temporary
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"), True),
+        (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), False),
+    ],
+)
+def test_an_injected_resolver_raising_gaierror_is_classified_too(
+    error: socket.gaierror, expected: bool
+) -> None:
+    async def failing(host: str, port: int) -> Sequence[str]:
+        raise error
+
+    with pytest.raises(ResolutionFailed) as info:
+        asyncio.run(UrlGuard(resolver=failing).vet("http://hooks.example/"))
+    assert info.value.temporary is expected
+
+
+def test_an_injected_resolver_raising_unicode_error_is_a_refusal() -> None:
+    async def failing(host: str, port: int) -> Sequence[str]:
+        raise UnicodeError("label empty or too long")
+
+    with pytest.raises(TargetRefused, match="not a valid host name"):
+        asyncio.run(UrlGuard(resolver=failing).vet("http://hooks.example/"))
