@@ -2,8 +2,18 @@
 
 Claim a batch in one short transaction, commit, execute the batch concurrently over HTTP with
 no transaction open, then write every result back in one call. Leases bound how long a job
-may be held: the HTTP timeout plus a margin for the result write must fit inside the lease,
-or another worker may take the job while this one is still running it (`validate`).
+may be held: the HTTP timeout (which covers name resolution and the call together) plus a
+margin for the result write must fit inside the lease, or another worker may take the job
+while this one is still running it (`validate`). With renewal on, every lease of the batch is
+extended until its result is written, so a slow call does not cost its finished batch-mates
+their leases while they wait for the shared write.
+
+A job is never allowed to take its batch down: whatever goes wrong while vetting or calling
+one target (a host name the IDNA codec rejects, a header HTTP cannot carry, a bug) becomes
+that job's permanent outcome, and its batch-mates are written as usual.
+
+Failpoint decisions and retry jitter draw from generators seeded with (config seed, worker
+id), so a run with a seed replays the same fault schedule.
 
 The dispatcher reports what it does through an `EventSink` (kinds as in
 `reports.history.WorkerEventKind`), so that this package imports nothing from the harness:
@@ -18,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -42,7 +53,13 @@ from queue_impl.interface import (
     QueueBackend,
 )
 from queue_impl.retry import RetryPolicy, classify_status
-from queue_impl.ssrf import AllowedTarget, PinnedResolver, TargetRefused, UrlGuard
+from queue_impl.ssrf import (
+    AllowedTarget,
+    PinnedResolver,
+    ResolutionFailed,
+    TargetRefused,
+    UrlGuard,
+)
 
 # (kind, fields): kinds and fields as `reports.history.WorkerEventKind` documents them.
 # `job_id` and `attempt` are lifted into the record; every other field is its data.
@@ -86,6 +103,8 @@ class DispatcherConfig:
     # Skip the lease/timeout rule, for experiments that want to show what breaking it does.
     unsafe_timing: bool = False
     failpoints: tuple[tuple[str, float], ...] = ()  # (name, probability per job)
+    # Seeds failpoint decisions and retry jitter (with the worker id); None: unseeded.
+    seed: int | None = None
 
     def validate(self) -> None:
         """Raise ConfigError for a setting that cannot work."""
@@ -116,6 +135,10 @@ class DispatcherConfig:
                 raise ConfigError(
                     f"failpoint {name} probability must be between 0 and 1 (got {probability})"
                 )
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise ConfigError(f"seed must be a whole number (got {self.seed!r})")
         needed = self.http_timeout_seconds + self.write_margin_seconds
         if not self.unsafe_timing and needed >= self.lease_seconds:
             raise ConfigError(
@@ -188,8 +211,10 @@ class Dispatcher:
         self.worker_id = worker_id
         self._sink = sink
         self._guard = guard or UrlGuard(config.allow_targets)
-        self._rng = rng or random.Random()
-        self._policy = config.retry_policy()
+        self._rng = rng or _seeded("failpoints", config.seed, worker_id)
+        self._policy = dataclasses.replace(
+            config.retry_policy(), rng=_seeded("retry", config.seed, worker_id)
+        )
         self._lease = timedelta(seconds=config.lease_seconds)
         self._stopping = asyncio.Event()
         self._stop_reason = "stopped"
@@ -307,14 +332,17 @@ class Dispatcher:
             return
         current: dict[int, Lease] = dict(enumerate(leases))
         tasks = [asyncio.create_task(self._execute(session, resolver, lease)) for lease in leases]
+        written = asyncio.Event()
         renewer = None
         if self.config.renew_leases:
-            renewer = asyncio.create_task(self._renew_while_running(claimed_at, tasks, current))
+            renewer = asyncio.create_task(self._renew_until_written(claimed_at, current, written))
         try:
             calls = await asyncio.gather(*tasks)
         finally:
+            written.set()
             if renewer is not None:
-                renewer.cancel()
+                # Let a renewal already sent land, so the results carry the leases it returned
+                # and no renewal runs alongside the write.
                 await asyncio.gather(renewer, return_exceptions=True)
         results = [self._result(current[i], call) for i, call in enumerate(calls)]
         await self._finish(results)
@@ -322,21 +350,44 @@ class Dispatcher:
     async def _execute(
         self, session: aiohttp.ClientSession, resolver: PinnedResolver, lease: Lease
     ) -> _Call:
+        """Vet and call one job's target under one deadline, the HTTP timeout. Never raises
+        (but for cancellation): anything unexpected becomes this job's permanent outcome, so
+        one bad job cannot take its batch down with it."""
         start = time.time()
+        timeout = self.config.http_timeout_seconds
+        phase = "resolving the host name"
         try:
-            target = await self._guard.vet(lease.target_url)
-        except TargetRefused as exc:
-            call = _Call(
-                result="refused",
-                outcome=Outcome.PERMANENT,
-                status=None,
-                error=str(exc),
-                start=start,
-                end=time.time(),
+            async with asyncio.timeout(timeout) as deadline:
+                try:
+                    target = await self._guard.vet(lease.target_url)
+                except TargetRefused as exc:
+                    call = self._failed(start, "refused", Outcome.PERMANENT, str(exc))
+                except ResolutionFailed as exc:
+                    outcome = Outcome.TRANSIENT if exc.temporary else Outcome.PERMANENT
+                    call = self._failed(start, "connection_error", outcome, str(exc))
+                else:
+                    phase = "waiting for the answer"
+                    resolver.pin(target)
+                    when = deadline.when()
+                    left = timeout if when is None else when - asyncio.get_running_loop().time()
+                    call = await self._post(session, lease, start, max(left, 0.001))
+        except TimeoutError:
+            call = self._failed(
+                start,
+                "timeout",
+                Outcome.TRANSIENT,
+                f"no answer within {timeout:g}s (still {phase})",
             )
-        else:
-            resolver.pin(target)
-            call = await self._post(session, lease, start)
+        except Exception as exc:
+            # Not the target's doing, and retrying would fail the same way. The known causes
+            # (a host name the IDNA codec rejects, a header carrying CR/LF) fail before
+            # anything is sent, so this is recorded as a refusal, with the error.
+            call = self._failed(
+                start,
+                "refused",
+                Outcome.PERMANENT,
+                f"cannot dispatch this job: {type(exc).__name__}: {_one_line(exc)}",
+            )
         self.emit(
             "http",
             job_id=str(lease.job_id),
@@ -351,14 +402,23 @@ class Dispatcher:
             self._failpoint("crash_after_http", lease)
         return call
 
-    async def _post(self, session: aiohttp.ClientSession, lease: Lease, start: float) -> _Call:
+    @staticmethod
+    def _failed(start: float, result: HttpResultName, outcome: Outcome, error: str) -> _Call:
+        """An attempt that ended without an HTTP status."""
+        return _Call(
+            result=result, outcome=outcome, status=None, error=error, start=start, end=time.time()
+        )
+
+    async def _post(
+        self, session: aiohttp.ClientSession, lease: Lease, start: float, timeout_seconds: float
+    ) -> _Call:
         headers = {
             JOB_ID_HEADER: str(lease.job_id),
             ATTEMPT_HEADER: str(lease.attempt),
             ACCOUNT_HEADER: lease.account_id,
             WORKER_HEADER: self.worker_id,
         }
-        timeout = aiohttp.ClientTimeout(total=self.config.http_timeout_seconds)
+        timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         status: int | None = None
         try:
             async with session.post(
@@ -412,10 +472,14 @@ class Dispatcher:
             end=end,
         )
 
+    def retry_delay(self, attempt: int) -> timedelta:
+        """The backoff after failed attempt `attempt`, jittered by this worker's seeded draw."""
+        return self._policy.delay(attempt)
+
     def _result(self, lease: Lease, call: _Call) -> AttemptResult:
         delay = timedelta(0)
         if call.outcome is Outcome.TRANSIENT:
-            delay = self._policy.delay(lease.attempt)
+            delay = self.retry_delay(lease.attempt)
         return AttemptResult(
             lease=lease,
             outcome=call.outcome,
@@ -467,22 +531,27 @@ class Dispatcher:
                 result=write.value,
             )
 
-    async def _renew_while_running(
-        self, claimed_at: float, tasks: Sequence[asyncio.Task[_Call]], current: dict[int, Lease]
+    async def _renew_until_written(
+        self, claimed_at: float, current: dict[int, Lease], written: asyncio.Event
     ) -> None:
-        """Extend the leases of calls still running once half the lease has passed, so a
-        slow call is not taken over while it runs. Lost leases stay lost: their results will
-        be fenced."""
+        """Extend every lease of the batch once half the lease has passed, and again each half
+        lease after, until the results are about to be written (`written`). Finished calls
+        are renewed too: their results wait for the batch's write, and a lease that expired
+        meanwhile would be recovered, redelivered and its write fenced. Lost leases stay lost:
+        their results will be fenced."""
         half = self.config.lease_seconds / 2
         due = claimed_at + half
         lost: set[int] = set()
         while True:
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
-            running = [i for i, task in enumerate(tasks) if not task.done() and i not in lost]
-            if not running:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(written.wait(), timeout=max(0.0, due - time.monotonic()))
+            if written.is_set():
+                return
+            held = [i for i in current if i not in lost]
+            if not held:
                 return
             renewed_at = time.monotonic()
-            leases = [current[i] for i in running]
+            leases = [current[i] for i in held]
             try:
                 answers = await asyncio.to_thread(self.backend.renew, leases, self._lease)
             except Exception as exc:
@@ -490,7 +559,7 @@ class Dispatcher:
                 await self._reconnect()
                 due = time.monotonic() + min(half, self.config.poll_seconds)
                 continue
-            for i, lease, answer in zip(running, leases, answers, strict=True):
+            for i, lease, answer in zip(held, leases, answers, strict=True):
                 if answer is None:
                     lost.add(i)
                     self.emit("renew", job_id=str(lease.job_id), attempt=lease.attempt, lost=True)
@@ -504,12 +573,24 @@ class Dispatcher:
                     )
             due = renewed_at + half
 
-    def _failpoint(self, name: FailpointName, lease: Lease) -> None:
+    def failpoint_fires(self, name: FailpointName) -> bool:
+        """This worker's next decision for failpoint `name` (seeded: see the module doc)."""
         probability = self.config.failpoint_probability(name)
-        if probability > 0 and self._rng.random() < probability:
+        return probability > 0 and self._rng.random() < probability
+
+    def _failpoint(self, name: FailpointName, lease: Lease) -> None:
+        if self.failpoint_fires(name):
             self.emit("failpoint", name=name, job_id=str(lease.job_id), attempt=lease.attempt)
             # No cleanup on purpose: this is the crash being simulated.
             os._exit(FAILPOINT_EXIT_CODE)
+
+
+def _seeded(stream: str, seed: int | None, worker_id: str) -> random.Random:
+    """A generator for one purpose of one worker: replayable when `seed` is given (a string
+    seed hashes the same in every process), fresh entropy otherwise."""
+    if seed is None:
+        return random.Random()
+    return random.Random(f"{stream}:{seed}:{worker_id}")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -3,11 +3,15 @@
 Workers are plain processes, so any machine that reaches the database can run more of them
 against the same DSN. On Ctrl-C or SIGTERM every worker stops claiming, finishes or releases
 what it holds, and exits; none is left behind.
+
+Every check of the command line (values, files, the events directory) comes before the
+database is touched, so bad input leaves neither a schema nor an empty directory behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -97,7 +101,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="HOST:PORT",
-        help="admit this host and port past the SSRF guard (repeatable)",
+        help=(
+            "admit this host and port past the SSRF guard (repeatable); prefer a literal IP: "
+            "a host name admits whatever it resolves to when each job is vetted"
+        ),
     )
     parser.add_argument(
         "--events-dir",
@@ -105,6 +112,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         default=Path("worker-events"),
         help="directory for one event log per worker (default ./worker-events)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        metavar="N",
+        help="seed failpoint decisions and retry jitter, so a fault schedule replays",
     )
     parser.add_argument("--no-recovery", action="store_true", help="do not recover leases")
     parser.add_argument("--no-renew", action="store_true", help="do not renew long leases")
@@ -136,6 +149,7 @@ def build_config(args: argparse.Namespace) -> DispatcherConfig:
         allow_targets=tuple(args.allow_target),
         unsafe_timing=args.unsafe_timing,
         failpoints=tuple(args.failpoint),
+        seed=args.seed,
     )
     try:
         validate_worker_count(args.workers)
@@ -165,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"worker needs the queue's database: pass --dsn or set {DSN_ENV}")
     if args.sql is not None and not Path(args.sql).is_file():
         raise UsageError(f"--sql {args.sql}: no such file")
+    created = _make_events_dir(args.events_dir)
 
     interrupted: str | None = None
     pool: WorkerPool | None = None
@@ -204,6 +219,9 @@ def run(args: argparse.Namespace) -> int:
         interrupted = "SIGTERM"
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if pool is None:
+            # Stopped before any worker could write there: leave no empty directory behind.
+            _remove_if_empty(created)
     if pool is not None:
         crashed = [
             f"{worker_id} ({code})"
@@ -217,6 +235,35 @@ def run(args: argparse.Namespace) -> int:
         # The CLI's convention for Ctrl-C (exit 130), now that everything is cleaned up.
         raise KeyboardInterrupt
     return 0
+
+
+def _make_events_dir(path: Path) -> list[Path]:
+    """Create the events directory (and missing parents) first, so a path that cannot hold
+    the event logs is a usage error before the database is touched. Returns the directories
+    it created, deepest first, for `_remove_if_empty`."""
+    created: list[Path] = []
+    probe = path.absolute()
+    while not probe.exists() and probe != probe.parent:
+        created.append(probe)
+        probe = probe.parent
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"--events-dir {path}: exists and is not a directory") from None
+    except OSError as exc:
+        _remove_if_empty(created)
+        raise UsageError(f"--events-dir {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        _remove_if_empty(created)
+        raise UsageError(f"--events-dir {path}: not writable")
+    return created
+
+
+def _remove_if_empty(created: list[Path]) -> None:
+    """Take back directories this command created, deepest first, if nothing was put in them."""
+    for directory in created:
+        with contextlib.suppress(OSError):
+            directory.rmdir()
 
 
 def _setup(spec: BackendFactory) -> None:

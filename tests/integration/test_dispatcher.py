@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -37,6 +39,7 @@ from queue_impl.interface import (
     WriteResult,
 )
 from queue_impl.pg import PgQueue
+from queue_impl.ssrf import UrlGuard
 
 pytestmark = pytest.mark.integration
 
@@ -197,12 +200,15 @@ def run_until(
     worker_id: str = "worker-t",
     limit: float = 20.0,
     backend: PgQueue | None = None,
+    guard: UrlGuard | None = None,
 ) -> tuple[dict[uuid.UUID, JobState], list[Event]]:
     """Run one dispatcher (its own backend, as a worker process would have) until `done`
     holds for the queue's snapshot, then stop it gracefully."""
     events: list[Event] = []
     backend = backend or PgQueue(queue.dsn, schema=queue.schema)
-    dispatcher = Dispatcher(backend, config, worker_id, lambda k, f: events.append((k, dict(f))))
+    dispatcher = Dispatcher(
+        backend, config, worker_id, lambda k, f: events.append((k, dict(f))), guard=guard
+    )
 
     async def go() -> dict[uuid.UUID, JobState]:
         task = asyncio.create_task(dispatcher.run())
@@ -467,3 +473,182 @@ def test_database_errors_outside_the_write_do_not_stop_the_worker(
     assert backend.broken == set()
     assert all(states[job.id].status is JobStatus.COMPLETED for job in jobs)
     assert [kind for kind, _ in events].count("stop") == 1
+
+
+def http_results(events: list[Event], job_id: uuid.UUID) -> list[str]:
+    return [f["result"] for kind, f in events if kind == "http" and f["job_id"] == str(job_id)]
+
+
+class InjectedAccount(PgQueue):
+    """Hands out the leases of chosen jobs with an account id carrying CR/LF. Enqueue refuses
+    such ids, but rows written before that check, or by another backend, still reach the
+    dispatcher."""
+
+    poisoned: frozenset[uuid.UUID] = frozenset()
+
+    def claim(self, worker_id: str, batch: int, lease: timedelta) -> list[Lease]:
+        return [
+            replace(held, account_id="acct-1\r\nX-Injected: yes")
+            if held.job_id in self.poisoned
+            else held
+            for held in super().claim(worker_id, batch, lease)
+        ]
+
+
+def test_a_poisoned_job_fails_alone_and_its_batch_mates_are_written(
+    queue: Queue, server: EchoServer
+) -> None:
+    # Each poisoned job makes the HTTP stack raise something other than a refusal: the IDNA
+    # codec's UnicodeError for an empty or over-long label, aiohttp's ValueError for a header
+    # carrying CR/LF. They share one batch with good jobs.
+    config = replace(CONFIG, batch=6, allow_targets=(f"127.0.0.1:{server.port}",))
+    good = enqueue(queue, server.url("/ok"), count=3)
+    [empty_label] = enqueue(queue, "http://a..com/")
+    [long_label] = enqueue(queue, f"http://{'a' * 64}.com/")
+    [bad_header] = enqueue(queue, server.url("/ok"))
+    backend = InjectedAccount(queue.dsn, schema=queue.schema)
+    backend.poisoned = frozenset({bad_header.id})
+    later: list[NewJob] = []
+
+    def done(states: dict[uuid.UUID, JobState]) -> bool:
+        # Once the batch is settled, one more job shows the worker is still at work.
+        if not later and all_terminal(states):
+            later.extend(enqueue(queue, server.url("/ok")))
+            return False
+        return bool(later) and later[0].id in states and all_terminal(states)
+
+    states, events = run_until(queue, config, done, backend=backend)
+
+    kinds = [kind for kind, _ in events]
+    assert kinds[: kinds.index("http")].count("claim") == 6, "the six jobs share one batch"
+    for job in [*good, *later]:
+        assert states[job.id].status is JobStatus.COMPLETED
+        assert states[job.id].attempts == 1
+        assert len(server.hits_for(job.id)) == 1
+    for job, why in (
+        (empty_label, "not a valid host name"),
+        (long_label, "not a valid host name"),
+        (bad_header, "ValueError"),
+    ):
+        state = states[job.id]
+        assert (state.status, state.attempts) == (JobStatus.FAILED, 1)
+        assert why in (state.last_error or "")
+        assert http_results(events, job.id) == ["refused"]
+    assert server.hits_for(bad_header.id) == []
+    assert {f["result"] for kind, f in events if kind == "write"} == {"applied"}
+    assert [f["reason"] for kind, f in events if kind == "stop"] == ["test over"]
+
+
+@pytest.mark.parametrize(
+    ("errno", "status", "attempts", "results"),
+    [
+        # "Temporary failure in name resolution": retried after its backoff.
+        (socket.EAI_AGAIN, JobStatus.COMPLETED, 2, ["connection_error", "ok"]),
+        # The name does not exist: an answer, not an outage, so no retry.
+        (socket.EAI_NONAME, JobStatus.FAILED, 1, ["connection_error"]),
+    ],
+)
+def test_a_failed_name_lookup_is_retried_unless_the_name_does_not_exist(
+    queue: Queue,
+    server: EchoServer,
+    errno: int,
+    status: JobStatus,
+    attempts: int,
+    results: list[str],
+) -> None:
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
+    failures = [errno]  # the first lookup fails, any later one succeeds
+
+    async def resolver(host: str, port: int) -> list[str]:
+        if failures:
+            raise socket.gaierror(failures.pop(), "injected lookup failure")
+        return ["127.0.0.1"]
+
+    [job] = enqueue(queue, f"http://hooks.test:{server.port}/ok")
+    states, events = run_until(
+        queue, config, all_terminal, guard=UrlGuard(config.allow_targets, resolver=resolver)
+    )
+    assert (states[job.id].status, states[job.id].attempts) == (status, attempts)
+    assert http_results(events, job.id) == results
+    assert len(server.hits_for(job.id)) == (1 if status is JobStatus.COMPLETED else 0)
+    [first] = [f for kind, f in events if kind == "write"][:1]
+    assert "injected lookup failure" in first["error"]
+
+
+def test_name_resolution_counts_against_the_http_timeout(queue: Queue, server: EchoServer) -> None:
+    # A lookup slower than the whole HTTP timeout (0.5 s) ends the attempt as a timeout,
+    # rather than eating into the time the lease keeps for the call and the write.
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
+    stalls = [1.2]
+
+    async def resolver(host: str, port: int) -> list[str]:
+        if stalls:
+            await asyncio.sleep(stalls.pop())
+        return ["127.0.0.1"]
+
+    [job] = enqueue(queue, f"http://hooks.test:{server.port}/ok")
+    states, events = run_until(
+        queue, config, all_terminal, guard=UrlGuard(config.allow_targets, resolver=resolver)
+    )
+    assert (states[job.id].status, states[job.id].attempts) == (JobStatus.COMPLETED, 2)
+    assert http_results(events, job.id) == ["timeout", "ok"]
+    first = next(f for kind, f in events if kind == "http")
+    assert "resolving" in first["error"]
+    assert len(server.hits_for(job.id)) == 1
+
+
+def test_fast_batch_mates_of_a_long_call_keep_their_leases_until_written(
+    queue: Queue, server: EchoServer
+) -> None:
+    # The batch's results are written together once its slowest call ends (1.6 s), well past
+    # the 1 s lease: the finished calls' leases must be renewed too, or recovery takes them
+    # back and redelivers them, and their writes are fenced.
+    config = replace(
+        CONFIG,
+        allow_targets=(f"127.0.0.1:{server.port}",),
+        lease_seconds=1.0,
+        http_timeout_seconds=3.0,
+        unsafe_timing=True,
+        recovery_enabled=False,
+    )
+    [slow] = enqueue(queue, server.url("/slow"))
+    fast = enqueue(queue, server.url("/ok"), count=3)
+    recovered: list[int] = []
+
+    def done(states: dict[uuid.UUID, JobState]) -> bool:
+        hits = server.hits_for(slow.id)
+        if hits and not recovered and time.time() > hits[0].received + 1.2:
+            recovered.append(queue.recover())
+        return all_terminal(states)
+
+    states, events = run_until(queue, config, done)
+    kinds = [kind for kind, _ in events]
+    assert kinds[: kinds.index("http")].count("claim") == 4, "the four jobs share one batch"
+    assert recovered == [0]
+    for job in [slow, *fast]:
+        assert (states[job.id].status, states[job.id].attempts) == (JobStatus.COMPLETED, 1)
+        assert len(server.hits_for(job.id)) == 1
+    writes = [f for kind, f in events if kind == "write"]
+    assert sorted(w["job_id"] for w in writes) == sorted(str(j.id) for j in [slow, *fast])
+    assert {w["result"] for w in writes} == {"applied"}
+    renewed = {f["job_id"] for kind, f in events if kind == "renew" and not f.get("lost")}
+    assert renewed == {str(j.id) for j in [slow, *fast]}
+
+
+def test_worker_command_with_a_bad_events_dir_leaves_the_database_untouched(
+    pg_dsn: str, fresh_schema: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from scenarios.cli import main
+
+    not_a_dir = tmp_path / "events"
+    not_a_dir.write_text("")
+    argv = ["worker", "--dsn", pg_dsn, "--schema", fresh_schema, "--events-dir", str(not_a_dir)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--events-dir" in err
+    assert err.count("\n") == 1
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute(
+            "SELECT 1 FROM information_schema.schemata WHERE schema_name = %s", (fresh_schema,)
+        ).fetchone()
+    assert row is None, "the queue schema was created before the bad input was refused"

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import replace
+from pathlib import Path
+from typing import cast
 
 import pytest
 
-from queue_impl.dispatcher import ConfigError, DispatcherConfig, validate_worker_count
+from queue_impl.dispatcher import ConfigError, Dispatcher, DispatcherConfig, validate_worker_count
+from queue_impl.interface import QueueBackend
 
 
 def test_defaults_are_valid_and_picklable() -> None:
@@ -34,6 +37,8 @@ def test_defaults_are_valid_and_picklable() -> None:
         ({"allow_targets": ("localhost:0",)}, "port must be 1-65535"),
         ({"failpoints": (("crash_sometimes", 0.5),)}, "unknown failpoint 'crash_sometimes'"),
         ({"failpoints": (("crash_after_http", 1.5),)}, "probability must be between 0 and 1"),
+        ({"seed": 1.5}, "seed must be a whole number"),
+        ({"seed": True}, "seed must be a whole number"),
     ],
 )
 def test_bad_setting_is_refused_with_one_line(changes: dict[str, object], expected: str) -> None:
@@ -144,3 +149,81 @@ def test_worker_command_reports_an_unreachable_server_without_its_password(
     err = capsys.readouterr().err
     assert "secret-password" not in err
     assert err.count("\n") == 1
+
+
+def failpoint_decisions(config: DispatcherConfig, worker_id: str, draws: int = 200) -> list[bool]:
+    # The decisions need no backend: nothing is claimed, and no failpoint is allowed to fire.
+    dispatcher = Dispatcher(cast(QueueBackend, object()), config, worker_id, lambda k, f: None)
+    return [dispatcher.failpoint_fires("crash_after_http") for _ in range(draws)]
+
+
+def test_failpoint_decisions_replay_for_the_same_seed_and_worker() -> None:
+    config = DispatcherConfig(failpoints=(("crash_after_http", 0.5),), seed=42)
+    first = failpoint_decisions(config, "worker-3")
+    assert first == failpoint_decisions(config, "worker-3")
+    assert 0 < sum(first) < len(first)
+    # Another worker, or another seed, draws its own schedule.
+    assert first != failpoint_decisions(config, "worker-4")
+    assert first != failpoint_decisions(replace(config, seed=43), "worker-3")
+
+
+def test_retry_jitter_replays_for_the_same_seed_and_worker() -> None:
+    config = DispatcherConfig(seed=7, retry_jitter=1.0)
+
+    def delays(worker_id: str) -> list[float]:
+        dispatcher = Dispatcher(cast(QueueBackend, object()), config, worker_id, lambda k, f: None)
+        return [dispatcher.retry_delay(1).total_seconds() for _ in range(20)]
+
+    assert delays("worker-0") == delays("worker-0")
+    assert delays("worker-0") != delays("worker-1")
+
+
+def test_without_a_seed_failpoints_still_fire_at_their_probability() -> None:
+    config = DispatcherConfig(failpoints=(("crash_after_http", 1.0),))
+    assert config.seed is None
+    assert all(failpoint_decisions(config, "worker-0", draws=20))
+    assert not any(failpoint_decisions(DispatcherConfig(seed=1), "worker-0", draws=20))
+
+
+def test_worker_command_checks_the_events_dir_before_the_database(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from scenarios.cli import main
+
+    not_a_dir = tmp_path / "events"
+    not_a_dir.write_text("a regular file\n")
+    # Port 1 on loopback refuses at once: had the database come first, its error would show.
+    dsn = "postgresql://skiplock:secret-password@127.0.0.1:1/none"
+    assert main(["worker", "--dsn", dsn, "--events-dir", str(not_a_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "--events-dir" in err
+    assert "not a directory" in err
+    assert err.count("\n") == 1
+    assert not_a_dir.read_text() == "a regular file\n"
+
+
+def test_worker_command_refuses_an_events_dir_under_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from scenarios.cli import main
+
+    (tmp_path / "file").write_text("")
+    dsn = "postgresql://skiplock:secret-password@127.0.0.1:1/none"
+    assert main(["worker", "--dsn", dsn, "--events-dir", str(tmp_path / "file" / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert "--events-dir" in err
+    assert err.count("\n") == 1
+
+
+def test_worker_command_takes_back_the_events_dir_it_made_when_the_database_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from scenarios.cli import main
+
+    dsn = "postgresql://skiplock:secret-password@127.0.0.1:1/none"
+    events_dir = tmp_path / "new" / "events"
+    assert main(["worker", "--dsn", dsn, "--events-dir", str(events_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "127.0.0.1" in err and "--events-dir" not in err  # the database's error, one line
+    assert err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
