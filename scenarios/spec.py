@@ -291,6 +291,8 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
             raise ValueError(value)
         if name == "int":
             number = float(value)
+            if not math.isfinite(number):
+                raise SpecError(f"{key} must be a finite number (got {value!r})")
             if number != int(number):
                 raise ValueError(value)
             return int(number)
@@ -298,8 +300,9 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
             return float(value)
         if name == "str":
             return str(value)
+    except SpecError:
+        raise
     except (TypeError, ValueError, OverflowError):
-        # OverflowError: int("inf").
         raise SpecError(f"{key} must be a {name} (got {value!r})") from None
     raise SpecError(f"{key} has an unsupported type {name}")
 
