@@ -491,6 +491,9 @@ class Dispatcher:
         )
 
     async def _finish(self, results: list[AttemptResult]) -> None:
+        # The event is logged after the commit, maybe much later if this process stalls; the
+        # time the statement was sent is what a checker can compare with other workers' claims.
+        started = time.time()
         try:
             written = await asyncio.to_thread(self.backend.finish, results)
         except Exception as exc:
@@ -504,6 +507,7 @@ class Dispatcher:
                     outcome=result.outcome.value,
                     result="info",
                     error=error,
+                    started=started,
                 )
             await self._reconnect()
             return
@@ -515,6 +519,7 @@ class Dispatcher:
                 outcome=result.outcome.value,
                 result=write.value,
                 error=result.error,
+                started=started,
             )
 
     async def _release(self, leases: Sequence[Lease]) -> None:
