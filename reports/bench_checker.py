@@ -3,7 +3,9 @@
 It builds a synthetic run directory with N deliveries and the worker events that go with
 them (a realistic mix: most jobs succeed at once, some retry with backoff after 503s, a few
 are dead-lettered by a 400, a few succeed twice because a worker's result write was lost),
-then checks it and prints the seconds spent loading and judging. The result JSON describes
+then checks it twice and prints the seconds spent loading and judging: a cold check, which
+parses the JSON Lines and writes the columnar cache (`reports.columnar`), and a warm check of
+the same history, which reads the cache. The result JSON records both, the cache's size, and
 the machine, versions and git state it was measured on.
 
 `RunBuilder` writes run directories in the schema of `reports.history`; the tests build
@@ -17,6 +19,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,6 +29,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from reports import columnar
 from reports.checker import check_run
 from reports.history import (
     DELIVERIES_DIR,
@@ -355,6 +359,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1)
 
 
+def _wait_until_cacheable(run_dir: Path) -> float:
+    """A file written less than `RACY_SECONDS` before it is read is not cached (it may
+    still be changing); wait until the history just built is that old, as any history is
+    when it is checked again later. Returns the seconds waited."""
+    newest = max(p.stat().st_mtime for p in run_dir.rglob("*.jsonl"))
+    wait = max(0.0, newest + columnar.RACY_SECONDS + 0.1 - time.time())
+    time.sleep(wait)
+    return wait
+
+
+def _print_timings(label: str, timings: Mapping[str, float]) -> None:
+    cpu_total = timings["load_cpu_seconds"] + timings["judge_cpu_seconds"]
+    print(f"{label}")
+    print("          wall s    cpu s")
+    print(f"load    {timings['load_seconds']:8.2f} {timings['load_cpu_seconds']:8.2f}")
+    print(f"judge   {timings['judge_seconds']:8.2f} {timings['judge_cpu_seconds']:8.2f}")
+    print(f"total   {timings['total_seconds']:8.2f} {cpu_total:8.2f}")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.deliveries < 1:
         print("skiplock: bench checker: --deliveries must be at least 1", file=sys.stderr)
@@ -366,29 +389,42 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         mix = build_synthetic(run_dir, args.deliveries, seed=args.seed)
         built = time.perf_counter() - t0
-        size = sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file())
-        verdict = check_run([run_dir])
-    timings = verdict.timings
+        size = sum(p.stat().st_size for p in run_dir.rglob("*.json*") if p.is_file())
+        # A kept directory may hold the cache of an earlier build: start cold.
+        shutil.rmtree(run_dir / columnar.CACHE_DIR, ignore_errors=True)
+        _wait_until_cacheable(run_dir)
+        cold = check_run([run_dir])
+        cache_size = columnar.cache_bytes(run_dir)
+        cache_files = sum(1 for p in (run_dir / columnar.CACHE_DIR).rglob("*" + columnar.SUFFIX))
+        warm = check_run([run_dir])
     print(f"history: {mix['deliveries']} deliveries, {mix['jobs']} jobs, "
-          f"{verdict.details.get('worker_events', 0)} worker events, {size / 1e6:.0f} MB "
+          f"{warm.details.get('worker_events', 0)} worker events, {size / 1e6:.0f} MB of JSON "
           f"(built in {built:.1f}s)")
-    cpu_total = timings["load_cpu_seconds"] + timings["judge_cpu_seconds"]
-    print("          wall s    cpu s")
-    print(f"load    {timings['load_seconds']:8.2f} {timings['load_cpu_seconds']:8.2f}")
-    print(f"judge   {timings['judge_seconds']:8.2f} {timings['judge_cpu_seconds']:8.2f}")
-    print(f"total   {timings['total_seconds']:8.2f} {cpu_total:8.2f}   verdict: {verdict.valid}")
+    _print_timings("cold check (parses the JSON Lines, writes the columnar cache):",
+                   cold.timings)
+    print(f"cache: {cache_files} files, {cache_size / 1e6:.0f} MB")
+    _print_timings("warm check (the same history again, read from the cache):", warm.timings)
+    same = cold.valid == warm.valid and cold.counts == warm.counts
+    print(f"verdict: cold {cold.valid}, warm {warm.valid}"
+          + ("" if same else "  (DIFFERENT: checker bug)"))
     result = {
         "benchmark": "checker",
         "parameters": {"deliveries": args.deliveries, "seed": args.seed},
         "history": {**mix, "bytes": size,
-                    "worker_events": verdict.details.get("worker_events")},
-        "seconds": timings,
-        "valid": verdict.valid,
-        "counts": verdict.counts,
+                    "worker_events": warm.details.get("worker_events")},
+        # cold: the first check, parsing JSON and writing the cache; warm: a check of the
+        # already-read history, from the cache.
+        "seconds": {"cold": cold.timings, "warm": warm.timings},
+        "cache": {"bytes": cache_size, "files": cache_files,
+                  "format_version": columnar.FORMAT_VERSION},
+        "valid": warm.valid,
+        "valid_cold": cold.valid,
+        "counts": warm.counts,
         **describe(),
     }
     if args.out is not None:
         write_json(args.out, result)
         print(f"result: {args.out}")
-    # The synthetic history is correct: anything but valid is a checker bug.
-    return 0 if verdict.valid is True else 1
+    # The synthetic history is correct: anything but valid, or a verdict the cache changed,
+    # is a checker bug.
+    return 0 if warm.valid is True and same else 1
