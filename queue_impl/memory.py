@@ -3,7 +3,9 @@
 Same semantics as the reference SQL, step for step (limits, fencing, recovery, release, dead
 letters, backoff taken from the AttemptResult), including which rows a claim picks: each of
 the PENDING and RETRYING candidate lists is cut to `batch` before the per-account cut, as the
-claim statement does. It runs in one process and has its own clock, moved by `advance()`.
+claim statement does, and only the limited accounts claim step 1 would lock (up to `batch`
+with due work and a free slot, oldest due work first) are open. It runs in one process and
+has its own clock, moved by `advance()`.
 """
 
 from __future__ import annotations
@@ -123,14 +125,27 @@ class InMemoryQueue:
             for job in self._jobs.values():
                 if job.status is JobStatus.PROCESSING:
                     active[job.account_id] = active.get(job.account_id, 0) + 1
+            # Step 1: at most `batch` limited accounts with due work and a free slot, oldest
+            # due work first, ties by id (code point order, as COLLATE "C" in the SQL).
+            oldest_due: dict[str, datetime] = {}
+            for j in self._jobs.values():
+                due = _due_at(j, now)
+                if due is not None and self._limits.get(j.account_id) is not None:
+                    oldest_due[j.account_id] = min(due, oldest_due.get(j.account_id, due))
+            eligible = sorted(
+                (due, account)
+                for account, due in oldest_due.items()
+                if active.get(account, 0) < (self._limits[account] or 0)
+            )
             free = {
-                account: limit - active.get(account, 0)
-                for account, limit in self._limits.items()
-                if limit is not None
+                account: (self._limits[account] or 0) - active.get(account, 0)
+                for _, account in eligible[:batch]
             }
 
             def open_account(job: _Job) -> bool:
-                return job.account_id not in free or free[job.account_id] > 0
+                if self._limits.get(job.account_id) is None:
+                    return True
+                return free.get(job.account_id, 0) > 0
 
             pending = sorted(
                 (
@@ -313,6 +328,19 @@ class InMemoryQueue:
 
     def close(self) -> None:
         return None
+
+
+def _due_at(job: _Job, now: datetime) -> datetime | None:
+    """When a due job became due (PENDING: run_at; RETRYING: next_attempt_at), else None."""
+    if job.status is JobStatus.PENDING and job.run_at <= now:
+        return job.run_at
+    if (
+        job.status is JobStatus.RETRYING
+        and job.next_attempt_at is not None
+        and job.next_attempt_at <= now
+    ):
+        return job.next_attempt_at
+    return None
 
 
 def _lease(job: _Job) -> Lease:

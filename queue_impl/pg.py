@@ -295,7 +295,7 @@ class PgQueue:
             try:
                 # Two statements on purpose (see the claim block): the second one's snapshot
                 # is taken after the first one's account locks.
-                locked = [row["id"] for row in self._run(conn, lock_block, {})]
+                locked = [row["id"] for row in self._run(conn, lock_block, {"batch": batch})]
                 rows = self._run(
                     conn,
                     claim_block,

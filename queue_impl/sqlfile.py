@@ -26,8 +26,10 @@ Blocks (placeholders; optional ones in brackets) and what each must do and retur
   The queue has already checked the batch (http(s) URLs, account ids free of control
   characters, `max_attempts` of 1 or more) and refused it whole if any job was bad.
 - `notify` (`channel`): `pg_notify` the channel; runs in the enqueue transaction.
-- `claim_lock_accounts` (none): lock the limited accounts that have due work,
-  `FOR UPDATE SKIP LOCKED`, in id order; return their `id`.
+- `claim_lock_accounts` ([`batch`]): lock limited accounts that have due work and (by this
+  snapshot) a free slot, `FOR NO KEY UPDATE SKIP LOCKED`, at most `batch` of them, the one
+  with the oldest due job first (ties by id); return their `id`. Locking every such account
+  would leave a concurrent claimer none.
 - `claim` (`locked_accounts`, `batch`, `lease`, `worker_id`): a second statement, so its
   snapshot follows the locks: count active jobs per locked account; pick due PENDING and due
   RETRYING rows `FOR UPDATE SKIP LOCKED` for unlimited accounts or locked ones with free
@@ -37,7 +39,7 @@ Blocks (placeholders; optional ones in brackets) and what each must do and retur
   row; return `id, account_id, target_url, payload, attempts, max_attempts, lease_token,
   locked_until, locked_by`.
 - `claim_lock_accounts_wait`, `claim_wait` (as above): the `pg-for-update` variant, the same
-  without SKIP LOCKED.
+  without SKIP LOCKED (accounts locked in id order, so claimers cannot deadlock).
 - `naive_select_due` (`batch`): the `pg-naive` variant: return due `id`s, no row lock.
 - `naive_take` (`job_ids`, `lease`, `worker_id`): the `pg-naive` variant: lease those ids
   with no status re-check; return as `claim`.
@@ -49,8 +51,7 @@ Blocks (placeholders; optional ones in brackets) and what each must do and retur
   record the others in `fenced_writes`; return the applied `ord`s.
 - `renew` (`ords`, `job_ids`, `lease_tokens`, `extend` [`attempts`, `workers`]): lock the
   rows still held in id order, then extend `locked_until` to `skiplock_lease_base()` +
-  extend; record the others as fenced; return
-  `ord, locked_until`.
+  extend; record the others as fenced; return `ord, locked_until`.
 - `release` (`ords`, `job_ids`, `lease_tokens` [`attempts`, `workers`]): lock the rows
   still held in id order, then back to due now with `attempts - 1` and the token cleared;
   record the others as fenced; return the applied `ord`s.
@@ -103,6 +104,8 @@ REQUIRED_PLACEHOLDERS: dict[str, frozenset[str]] = {
 
 # Placeholders a block may use beyond the required ones (values the caller always passes).
 OPTIONAL_PLACEHOLDERS: dict[str, frozenset[str]] = {
+    "claim_lock_accounts": frozenset({"batch"}),
+    "claim_lock_accounts_wait": frozenset({"batch"}),
     "finish": _ITEM_EXTRAS | {"http_statuses", "errors", "finished_ats"},
     "renew": _ITEM_EXTRAS,
     "release": _ITEM_EXTRAS,

@@ -299,3 +299,29 @@ def test_enqueue_refuses_bad_input_and_writes_none_of_the_batch(clocked: Clocked
     assert clocked.queue.snapshot() == []
     clocked.queue.enqueue([good])  # the good job alone goes in
     assert [s.job_id for s in clocked.queue.snapshot()] == [good.id]
+
+
+def test_a_full_account_does_not_use_up_a_small_claim(clocked: Clocked) -> None:
+    """Claim step 1 locks at most `batch` limited accounts: the one whose work waited longest
+    first, but never one already full, or a batch of 1 would go to it and take nothing."""
+    q = clocked.queue
+    q.upsert_accounts(
+        [Account(id="full", concurrency_limit=1), Account(id="later", concurrency_limit=1)]
+    )
+    q.enqueue([job("full", run_at=T0 - timedelta(seconds=9)) for _ in range(2)])
+    [first] = q.claim("w", 1, LEASE)
+    assert first.account_id == "full"
+    newer = job("later", run_at=T0 - timedelta(seconds=1))
+    q.enqueue([newer])
+    assert [lease.job_id for lease in q.claim("w", 1, LEASE)] == [newer.id]
+    assert q.claim("w", 1, LEASE) == []
+
+
+def test_the_account_whose_work_waited_longest_goes_first(clocked: Clocked) -> None:
+    q = clocked.queue
+    q.upsert_accounts([Account(id=a, concurrency_limit=5) for a in ("a", "b", "c")])
+    # Account ids and ages in opposite orders: "c" has waited longest.
+    jobs = {a: job(a, run_at=T0 - timedelta(seconds=s)) for a, s in (("a", 1), ("b", 2), ("c", 3))}
+    q.enqueue(list(jobs.values()))
+    taken = [lease.account_id for _ in range(3) for lease in q.claim("w", 1, LEASE)]
+    assert taken == ["c", "b", "a"]

@@ -357,7 +357,7 @@ def test_partial_indexes_serve_the_claim_and_recovery(queue: PgQueue, pg_dsn: st
     for index in ("jobs_pending", "jobs_retrying", "jobs_processing_account"):
         assert index in claim_plan, claim_plan
     assert "Seq Scan on jobs" not in claim_plan, claim_plan
-    lock_plan = "\n".join(queue.explain("claim_lock_accounts", {}))
+    lock_plan = "\n".join(queue.explain("claim_lock_accounts", {"batch": 10}))
     assert "jobs_pending_account" in lock_plan, lock_plan
     assert "Seq Scan on jobs" not in lock_plan, lock_plan
     recover_plan = "\n".join(queue.explain("recover", {"limit": 100}))
@@ -580,3 +580,26 @@ def test_finish_locks_its_rows_in_id_order_whatever_the_batch_order(
     finally:
         writer.close()
     assert results == [WriteResult.APPLIED, WriteResult.APPLIED]
+
+
+def test_a_claim_locks_no_more_accounts_than_it_can_use(
+    queue: PgQueue, pg_dsn: str, fresh_schema: str
+) -> None:
+    """While one claimer's transaction holds the accounts it locked, another claimer still
+    finds a limited account to serve: the first locked one account for its batch of one, not
+    every account with due work."""
+    now = datetime.now(UTC)
+    queue.upsert_accounts([Account(id=a, concurrency_limit=3) for a in ("x", "y")])
+    queue.enqueue(
+        [
+            NewJob(id=uuid.uuid4(), account_id=a, target_url="http://t/", payload={}, run_at=at)
+            for a, at in (("x", now - timedelta(seconds=2)), ("y", now - timedelta(seconds=1)))
+        ]
+    )
+    holder = PgQueue(pg_dsn, schema=fresh_schema, variant="pg-long-tx")
+    try:
+        # The long-transaction variant keeps its claim, account locks included, open.
+        assert [lease.account_id for lease in holder.claim("w1", 1, LEASE)] == ["x"]
+        assert [lease.account_id for lease in queue.claim("w2", 1, LEASE)] == ["y"]
+    finally:
+        holder.close()

@@ -101,3 +101,18 @@ def test_unreadable_files_are_refused(tmp_path: Path) -> None:
     bad.write_bytes(b"-- name: recover\nSELECT '\xff';\n")
     with pytest.raises(SqlFileError, match="cannot read"):
         load_statements(bad)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "SELECT id FROM accounts FOR NO KEY UPDATE SKIP LOCKED;",
+        "SELECT id FROM accounts LIMIT %(batch)s FOR NO KEY UPDATE SKIP LOCKED;",
+    ],
+)
+def test_account_lock_blocks_may_cap_at_the_batch_or_not(tmp_path: Path, text: str) -> None:
+    """The reference caps claim step 1 at the batch; a team file written before the cap (no
+    placeholder) stays valid, because the queue passes `batch` either way."""
+    for block in ("claim_lock_accounts", "claim_lock_accounts_wait"):
+        statements = load_statements(write(tmp_path, f"-- name: {block}\n{text}\n"))
+        assert statements[block] == text
