@@ -26,7 +26,6 @@ from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -170,9 +169,12 @@ _DELIVERY_SCHEMA = pa.schema([
 
 
 def _event_schema(locked_until: pa.DataType) -> pa.Schema:
+    # `started` (write: when the statement was sent) and `end` (http: when the call ended)
+    # time what the worker did; `outcome` says what a write recorded.
     data = pa.struct([("result", pa.string()), ("name", pa.string()), ("lost", pa.bool_()),
                       ("locked_until", locked_until), ("error", pa.string()),
-                      ("reason", pa.string())])
+                      ("reason", pa.string()), ("outcome", pa.string()),
+                      ("started", pa.float64()), ("end", pa.float64())])
     return pa.schema([("kind", pa.string()), ("worker", pa.string()), ("time", pa.float64()),
                       ("job_id", pa.string()), ("attempt", pa.float64()), ("data", data)])
 
@@ -382,10 +384,11 @@ class _Table:
             raise HistoryError(f"{self.where(row)}: {what} field {key} is not a number")
         return array
 
-    def require_str(self, key: str, what: str) -> None:
+    def require_str(self, key: str, what: str, *, allow_empty: bool = False) -> None:
         if key == "job_id":
             # Anything but a string was read as null.
-            missing = pc.or_kleene(pc.is_null(self.job_id), pc.equal(self.job_id, ""))
+            missing = (pc.is_null(self.job_id) if allow_empty
+                       else pc.or_kleene(pc.is_null(self.job_id), pc.equal(self.job_id, "")))
             bad = np.flatnonzero(missing.to_numpy(zero_copy_only=False))
         elif self.typed:
             values = self.columns[key]
@@ -432,7 +435,9 @@ def _script_codes(table: _Table, rows: np.ndarray) -> tuple[np.ndarray, list[Any
     nested = table.nested["script"]
     if table.typed:
         # Equal scripts have equal codes in every leaf (and in whether each object is there).
-        column = cast(pa.ChunkedArray, nested.parts[0]).combine_chunks()
+        parts = [cast(pa.ChunkedArray, part) for part in nested.parts]
+        column = pa.chunked_array([c for part in parts for c in part.chunks],
+                                  parts[0].type).combine_chunks()
         leaves = [column.is_valid(), *_leaves(column)]
         code = np.zeros(len(rows), dtype=np.int64)
         for leaf in leaves:
@@ -476,9 +481,25 @@ class RunConfig:
     lease_seconds: float
     retry: RetryPolicy
     account_limits: dict[str, int | None]
+    # Rows the runner's final snapshot had (None: not recorded, completeness unknown).
+    final_jobs: int | None = None
+    # Whether the queue's server was durable (fsync, full page writes, synchronous commit);
+    # None when neither run.json nor spec.json says, which is judged as durable.
+    durable: bool | None = None
 
 
-def _run_config(path: Path) -> RunConfig:
+def _durability(raw: dict[str, Any], spec: dict[str, Any]) -> bool | None:
+    """run.json's `durable`, else spec.json's `postgres.harness.durable`, else None."""
+    if isinstance(raw.get("durable"), bool):
+        return bool(raw["durable"])
+    postgres = spec.get("postgres")
+    harness = postgres.get("harness") if isinstance(postgres, dict) else None
+    if isinstance(harness, dict) and isinstance(harness.get("durable"), bool):
+        return bool(harness["durable"])
+    return None
+
+
+def _run_config(path: Path, spec: dict[str, Any] | None = None) -> RunConfig:
     raw = read_json(path)
     need = ("drained", "http_timeout_seconds", "lease_seconds", "retry_base_seconds",
             "retry_cap_seconds", "retry_jitter", "account_limits")
@@ -505,6 +526,10 @@ def _run_config(path: Path) -> RunConfig:
         for v in limits.values()
     ):
         raise HistoryError(f"{path}: account_limits must map accounts to an integer or null")
+    final_jobs = raw.get("final_jobs")
+    if final_jobs is not None and (not isinstance(final_jobs, int) or isinstance(final_jobs, bool)
+                                   or final_jobs < 0):
+        raise HistoryError(f"{path}: final_jobs must be a row count or null")
     return RunConfig(
         drained=raw["drained"],
         exit_reason=str(raw.get("exit_reason", "completed")),
@@ -512,6 +537,8 @@ def _run_config(path: Path) -> RunConfig:
         lease_seconds=lease,
         retry=retry,
         account_limits={str(k): v for k, v in limits.items()},
+        final_jobs=final_jobs,
+        durable=_durability(raw, spec or {}),
     )
 
 
@@ -570,18 +597,23 @@ def _load(run_dirs: Sequence[Path]) -> _History:
         if not (main / name).is_dir():
             raise HistoryError(f"{main / name}/ is missing")
     for d in dirs[1:]:
-        if not (d / DELIVERIES_DIR).is_dir() and not (d / WORKERS_DIR).is_dir():
-            raise HistoryError(f"{d} holds neither {DELIVERIES_DIR}/ nor {WORKERS_DIR}/")
+        if not ((d / DELIVERIES_DIR).is_dir() or (d / WORKERS_DIR).is_dir()
+                or (d / ENQUEUES_FILE).is_file()):
+            raise HistoryError(f"{d} holds none of {DELIVERIES_DIR}/, {WORKERS_DIR}/, "
+                               f"{ENQUEUES_FILE}")
 
-    read_json(main / SPEC_FILE)
-    config = _run_config(main / RUN_FILE)
+    spec = read_json(main / SPEC_FILE)
+    config = _run_config(main / RUN_FILE, spec)
     delivery_files = [p for d in dirs if (d / DELIVERIES_DIR).is_dir()
                       for p in _jsonl_files(d / DELIVERIES_DIR)]
     worker_files = [p for d in dirs if (d / WORKERS_DIR).is_dir()
                     for p in _jsonl_files(d / WORKERS_DIR)]
     nemesis_files = [d / NEMESIS_FILE for d in dirs if (d / NEMESIS_FILE).is_file()]
+    # Producers on other machines write their own enqueues.jsonl: merged like the rest.
+    enqueue_files = [main / ENQUEUES_FILE,
+                     *(d / ENQUEUES_FILE for d in dirs[1:] if (d / ENQUEUES_FILE).is_file())]
     kinds: list[tuple[list[Path], Sequence[pa.Schema]]] = [
-        ([main / ENQUEUES_FILE], (_ENQUEUE_SCHEMA,)),
+        (enqueue_files, (_ENQUEUE_SCHEMA,)),
         (delivery_files, (_DELIVERY_SCHEMA,)),
         (worker_files, _EVENT_SCHEMAS),
         (nemesis_files, (_FAULT_SCHEMA,)),
@@ -603,7 +635,9 @@ def _load(run_dirs: Sequence[Path]) -> _History:
         row = int(np.flatnonzero(bad_type.to_numpy())[0])
         raise HistoryError(f"{enq.where(row)}: enqueue type {types[row]!r} is not "
                            "invoke, ok, fail or info")
-    dl.require_str("job_id", "delivery")
+    # The target records a request without the job id header with job_id "": judged as an
+    # unexpected delivery, not as an unreadable history.
+    dl.require_str("job_id", "delivery", allow_empty=True)
     fin.require_str("job_id", "final job state")
     # Job ids are only compared, never read: one dictionary over every file's ids turns
     # them into codes without making a Python string per row.
@@ -759,19 +793,6 @@ def _load(run_dirs: Sequence[Path]) -> _History:
 # --------------------------------------------------------------------------------------------
 
 
-def _as_epoch(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return datetime.fromisoformat(value).timestamp()
-        except ValueError:
-            return None
-    return None
-
-
 def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     """Rows as dicts of plain Python values (much faster than DataFrame.to_dict)."""
     names = [str(c) for c in frame.columns]
@@ -783,7 +804,7 @@ def _fmt(seconds: float) -> str:
     return f"{seconds:.3f}"
 
 
-_DATA_FIELDS = ("name", "lost", "locked_until", "error", "reason")
+_DATA_FIELDS = ("name", "lost", "error", "reason", "outcome", "started", "end")
 
 
 def _with_data(rec: dict[str, Any], value: Any) -> dict[str, Any]:
@@ -796,12 +817,41 @@ def _with_data(rec: dict[str, Any], value: Any) -> dict[str, Any]:
     return rec
 
 
+@dataclass(frozen=True)
+class _Why:
+    """Why a redelivery is legitimate. `fault` is True for a recorded fault (a redelivery it
+    causes may come on top of `max_attempts`), False for an HTTP timeout (the timed-out
+    attempt used one of them)."""
+
+    text: str
+    fault: bool
+
+
+def _fault_end(fault: dict[str, Any]) -> float:
+    end = fault["end"]
+    if end is not None:
+        return float(end)
+    return math.inf if fault["fault"] in _LASTING_FAULTS else float(fault["start"])
+
+
+def _fault_span(fault: dict[str, Any]) -> str:
+    start, end = float(fault["start"]), _fault_end(fault)
+    return _fmt(start) + ("" if end == start else "-" + _fmt(end))
+
+
 class _Explainer:
-    """Looks up, for one delivery, a recorded event that overlaps its attempt."""
+    """Looks up, for one delivery, a recorded event that overlaps its attempt.
+
+    A fault explains a redelivery only inside the earlier attempt's window: from its claim
+    (or delivery) to the first of the next delivery, its applied result write and the end
+    of its lease (claim and renewal times plus the configured lease), give or take the
+    tolerance. Once an attempt's success is applied, nothing explains running it again but
+    a restart of a server that is not durable (a committed write may be lost)."""
 
     def __init__(self, history: _History, jobs: np.ndarray, tolerance: float) -> None:
         self.cfg = history.config
         self.tol = tolerance
+        self.durable = history.config.durable is not False
         self.faults = [f for f in history.faults if not f.get("skipped")]
         ev = history.events
         subset = ev[ev["job"].isin(jobs)] if len(jobs) else ev.iloc[:0]
@@ -821,67 +871,123 @@ class _Explainer:
             if rec["kind"] == "failpoint" or str(rec["reason"]).startswith("error"):
                 self.deaths[str(rec["worker"])].append(rec)
 
+    def _events(self, job: int, attempt: float) -> list[dict[str, Any]]:
+        if math.isnan(attempt):
+            return []
+        return self.by_attempt.get((job, int(attempt)), [])
+
     def worker_of(self, job: int, attempt: float, header: Any) -> str | None:
         if isinstance(header, str) and header:
             return header
-        if not math.isnan(attempt):
-            for rec in self.by_attempt.get((job, int(attempt)), ()):
-                if rec["kind"] == "claim":
-                    return str(rec["worker"])
+        for rec in self._events(job, attempt):
+            if rec["kind"] == "claim":
+                return str(rec["worker"])
         return None
 
+    def claimed_at(self, job: int, attempt: float, received: float) -> float:
+        """When the attempt was claimed (the delivery time when no claim was recorded)."""
+        times = [float(r["time"]) for r in self._events(job, attempt) if r["kind"] == "claim"]
+        return min([received, *times])
+
     def lease_end(self, job: int, attempt: float, received: float) -> float:
-        """When the lease of this attempt ran out: the last locked_until the worker recorded,
-        else (claim time or, failing that, the delivery time) plus the lease."""
-        start = received
-        latest: float | None = None
-        if not math.isnan(attempt):
-            for rec in self.by_attempt.get((job, int(attempt)), ()):
-                if rec["kind"] == "claim":
-                    start = min(start, float(rec["time"]))
-                if rec["kind"] in ("claim", "renew") and not rec["lost"]:
-                    until = _as_epoch(rec["locked_until"])
-                    if until is not None:
-                        latest = until if latest is None else max(latest, until)
-        return latest if latest is not None else start + self.cfg.lease_seconds
+        """When the lease of this attempt ran out: the configured lease from its last claim
+        or renewal the worker recorded (from the delivery when none was). The lease end the
+        queue reported is not used: a queue that hands out short leases must not excuse
+        itself with them."""
+        times = [float(r["time"]) for r in self._events(job, attempt)
+                 if r["kind"] == "claim" or (r["kind"] == "renew" and not r["lost"])]
+        return (max(times) if times else received) + self.cfg.lease_seconds
+
+    def gave_up(self, job: int, attempt: float, received: float) -> float:
+        """When the worker gave up on a call that timed out: the end its http event
+        recorded, else the delivery time plus the timeout."""
+        ends = [float(r["end"]) for r in self._events(job, attempt)
+                if r["kind"] == "http" and isinstance(r["end"], int | float)
+                and not isinstance(r["end"], bool) and not math.isnan(r["end"])]
+        fallback = received + self.cfg.http_timeout_seconds
+        return max(received, min(ends)) if ends else fallback
+
+    def applied_write(self, job: int, attempt: float) -> dict[str, Any] | None:
+        """The attempt's first applied result write, if any."""
+        applied = [r for r in self._events(job, attempt)
+                   if r["kind"] == "write" and r["result"] == "applied"]
+        return min(applied, key=lambda r: float(r["time"])) if applied else None
 
     def has_applied_write(self, job: int, attempt: float) -> bool:
-        if math.isnan(attempt):
-            return False
-        return any(rec["kind"] == "write" and rec["result"] == "applied"
-                   for rec in self.by_attempt.get((job, int(attempt)), ()))
+        return self.applied_write(job, attempt) is not None
 
-    def explain(self, d: dict[str, Any], until: float, *, timeouts: bool = True) -> str | None:
-        """A one-line reason why the attempt that made delivery `d` may be executed again
-        before `until` (the next delivery), or None. `timeouts` False leaves out HTTP
-        timeouts (the caller judges those by time)."""
-        timeout = self.cfg.http_timeout_seconds
+    def explain(self, d: dict[str, Any], until: float, *, timeouts: bool = True) -> _Why | None:
+        """Why the attempt that made delivery `d` may be executed again at `until` (the next
+        delivery; inf when there is none), or None. `timeouts` False leaves out HTTP timeouts
+        (the caller judges those by time)."""
         job = int(d["job"])
-        attempt = d["attempt"]
-        label = "?" if math.isnan(attempt) else str(int(attempt))
+        attempt = float(d["attempt"])
+        label = _label(attempt)
+        applied = self.applied_write(job, attempt)
+        if (applied is not None and applied["outcome"] in (None, "success")
+                and float(applied["time"]) <= until):
+            # The success was committed before the redelivery.
+            lost = self._lost_commit(float(applied["time"]), until)
+            return None if lost is None else _Why(
+                f"{lost} after the result of attempt {label} was applied", True)
+        fault = self._fault(d, until, applied)
+        if fault is not None:
+            return _Why(fault, True)
+        if timeouts:
+            timeout = self._timeout(d, until)
+            if timeout is not None:
+                return _Why(timeout, False)
+        return None
+
+    def _timeout(self, d: dict[str, Any], until: float) -> str | None:
+        """The worker gave up on the call: the target answered past the timeout, or the
+        worker recorded a timeout or a lost connection for the attempt."""
+        timeout = self.cfg.http_timeout_seconds
         answered = d["answered"]
-        # A timeout explains a redelivery only once the worker had given up on the call.
-        if (timeouts and not math.isnan(answered)
+        label = _label(d["attempt"])
+        if (not math.isnan(answered)
                 and answered - d["received"] >= timeout - self.tol
                 and until >= d["received"] + timeout - self.tol):
             return (f"HTTP timeout: the target answered attempt {label} after "
                     f"{answered - d['received']:.2f}s, past the {timeout:g}s timeout")
-        if not math.isnan(attempt):
-            for rec in self.by_attempt.get((job, int(attempt)), ()):
-                if (timeouts and rec["kind"] == "http"
-                        and rec["result"] in ("timeout", "connection_error")
-                        and until >= float(rec["time"]) - self.tol):
-                    return (f"worker {rec['worker']} recorded an HTTP {rec['result']} "
-                            f"for attempt {label}")
-                if rec["kind"] == "write" and rec["result"] == "info":
-                    error = f" ({rec['error']})" if rec["error"] else ""
-                    return (f"connection lost during the result write of attempt {label} "
-                            f"by {rec['worker']}{error}")
-                if rec["kind"] == "failpoint":
-                    return (f"failpoint {rec['name']} fired in {rec['worker']} at "
-                            f"{_fmt(rec['time'])} for attempt {label}")
+        for rec in self._events(int(d["job"]), float(d["attempt"])):
+            if (rec["kind"] == "http" and rec["result"] in ("timeout", "connection_error")
+                    and until >= float(rec["time"]) - self.tol):
+                return (f"worker {rec['worker']} recorded an HTTP {rec['result']} "
+                        f"for attempt {label}")
+        return None
+
+    def _lost_commit(self, written: float, until: float) -> str | None:
+        """A restart of a server that is not durable between a commit and `until`."""
+        if self.durable:
+            return None
+        for fault in self.faults:
+            if (fault["fault"] == "restart_postgres" and fault["start"] <= until + self.tol
+                    and _fault_end(fault) >= written - self.tol):
+                return (f"restart_postgres of a server that is not durable at "
+                        f"{_fault_span(fault)}")
+        return None
+
+    def _fault(self, d: dict[str, Any], until: float,
+               applied: dict[str, Any] | None) -> str | None:
+        job = int(d["job"])
+        attempt = float(d["attempt"])
+        label = _label(attempt)
+        for rec in self._events(job, attempt):
+            if rec["kind"] == "write" and rec["result"] == "info":
+                error = f" ({rec['error']})" if rec["error"] else ""
+                return (f"connection lost during the result write of attempt {label} "
+                        f"by {rec['worker']}{error}")
+            if rec["kind"] == "failpoint":
+                return (f"failpoint {rec['name']} fired in {rec['worker']} at "
+                        f"{_fmt(rec['time'])} for attempt {label}")
+        received = float(d["received"])
+        lo = self.claimed_at(job, attempt, received) - self.tol
+        close = min(until, self.lease_end(job, attempt, received))
+        if applied is not None:
+            close = min(close, float(applied["time"]))
+        hi = close + self.tol
         worker = self.worker_of(job, attempt, d["worker"])
-        lo, hi = d["received"] - self.tol, until + self.tol
         if worker is not None:
             for rec in self.deaths.get(worker, ()):
                 if lo <= rec["time"] <= hi:
@@ -891,11 +997,10 @@ class _Explainer:
                             f"attempt {label}")
         for fault in self.faults:
             kind = fault["fault"]
-            start = fault["start"]
-            end = fault["end"]
-            if end is None:
-                end = math.inf if kind in _LASTING_FAULTS else start
-            if not (start <= hi and end >= lo):
+            top = hi
+            if kind == "restart_postgres" and not self.durable:
+                top = until + self.tol  # it may lose what was committed before it
+            if not (fault["start"] <= top and _fault_end(fault) >= lo):
                 continue
             hits = False
             if kind in _WORKER_FAULTS:
@@ -909,32 +1014,52 @@ class _Explainer:
                 hits = fault["target"] in (None, d["target"])
             if hits:
                 target = fault["target"] or "the run"
-                return (f"{kind} on {target} at {_fmt(start)}"
-                        f"{'' if end == start else '-' + _fmt(end)} overlaps attempt {label}")
+                return f"{kind} on {target} at {_fault_span(fault)} overlaps attempt {label}"
+        return None
+
+    def late_success(self, d: dict[str, Any]) -> str | None:
+        """Why a worker may have taken a 2xx answered after its HTTP timeout: the worker was
+        paused during the call, so its timer could not fire before the answer was read."""
+        worker = self.worker_of(int(d["job"]), float(d["attempt"]), d["worker"])
+        lo, hi = float(d["received"]) - self.tol, float(d["answered"]) + self.tol
+        for fault in self.faults:
+            if (fault["fault"] == "pause_worker" and worker is not None
+                    and fault["target"] == worker
+                    and fault["start"] <= hi and _fault_end(fault) >= lo):
+                return (f"pause_worker on {worker} at {_fault_span(fault)} overlaps the call "
+                        f"of attempt {_label(d['attempt'])}")
         return None
 
     def fault_touched(self, job: int, job_id: str) -> str | None:
         """A recorded fault that hit one of this job's attempts without a delivery to show
-        for it (a crash after claim, a kill before the call)."""
+        for it (a crash after claim, a kill before the call), inside that attempt's lease
+        and before its result was applied."""
         for attempt in sorted(self.attempts_of.get(job, ())):
-            for rec in self.by_attempt[(job, attempt)]:
+            events = self.by_attempt[(job, attempt)]
+            for rec in events:
                 if rec["kind"] == "failpoint":
                     return f"failpoint {rec['name']} fired for attempt {attempt}"
-                if rec["kind"] == "claim":
-                    worker = str(rec["worker"])
-                    lo = float(rec["time"]) - self.tol
-                    hi = self.lease_end(job, float(attempt), float(rec["time"])) + self.tol
-                    for death in self.deaths.get(worker, ()):
-                        if lo <= death["time"] <= hi:
-                            return f"{worker} died while it held attempt {attempt}"
-                    for fault in self.faults:
-                        if fault["fault"] in _WORKER_FAULTS and fault["target"] == worker:
-                            end = fault["end"] if fault["end"] is not None else (
-                                math.inf if fault["fault"] in _LASTING_FAULTS
-                                else fault["start"])
-                            if fault["start"] <= hi and end >= lo:
-                                return (f"{fault['fault']} on {worker} overlaps attempt "
-                                        f"{attempt}")
+                if rec["kind"] == "write" and rec["result"] == "info":
+                    return f"the result write of attempt {attempt} was lost with its connection"
+            claims = [r for r in events if r["kind"] == "claim"]
+            if not claims:
+                continue
+            worker = str(claims[0]["worker"])
+            start = min(float(r["time"]) for r in claims)
+            close = self.lease_end(job, float(attempt), start)
+            applied = self.applied_write(job, float(attempt))
+            if applied is not None:
+                close = min(close, float(applied["time"]))
+            lo, hi = start - self.tol, close + self.tol
+            for death in self.deaths.get(worker, ()):
+                if lo <= death["time"] <= hi:
+                    return f"{worker} died while it held attempt {attempt}"
+            for fault in self.faults:
+                kind = fault["fault"]
+                hits = (kind in _WORKER_FAULTS and fault["target"] == worker) or (
+                    kind in _DATABASE_FAULTS)
+                if hits and fault["start"] <= hi and _fault_end(fault) >= lo:
+                    return f"{kind} at {_fault_span(fault)} overlaps attempt {attempt}"
         for fault in self.faults:
             if fault["job_id"] == job_id:
                 return f"{fault['fault']} hit attempt {fault['attempt']}"
@@ -967,11 +1092,15 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
     timeout = cfg.http_timeout_seconds
     found = _Findings()
     unknown: list[str] = []
+    details: dict[str, Any] = {}
     n_jobs = len(h.job_ids)
 
     # Oracles, one per distinct (script, max_attempts).
     cache = OracleCache(timeout)
     expected_completed = np.zeros(n_jobs, dtype=bool)
+    # Deliveries a fault-free correct run makes: a job dead-lettered with fewer was given up
+    # on early (unless a fault used up its attempts).
+    expected_deliveries = np.zeros(n_jobs, dtype=np.int64)
     pairs = pd.DataFrame({"s": h.job_script, "m": h.job_max_attempts})
     for group, idx in pairs.groupby(["s", "m"], sort=False).indices.items():
         s, m = cast(tuple[int, int], group)
@@ -983,6 +1112,7 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
             raise HistoryError(f"enqueue of job {job_id}: unreadable script ({exc})") from None
         oracle = cache.get(repr(key), script, int(m))
         expected_completed[idx] = oracle.expected is Expected.COMPLETED
+        expected_deliveries[idx] = oracle.deliveries
 
     # ---- deliveries -------------------------------------------------------------------------
     d = h.deliveries
@@ -993,6 +1123,10 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
     known = ~unknown_job
     failed_enqueue[known] = acked[d["job"].to_numpy()[known]] == -1
     for rec in _records(d[unknown_job | failed_enqueue]):
+        if rec["job_id"] == "":
+            found.add("unexpected", "", f"a request without a job id header at "
+                      f"{_fmt(rec['received'])} (target {rec['target']})")
+            continue
         what = ("delivered but never enqueued" if rec["job"] < 0
                 else "delivered although its enqueue failed")
         found.add("unexpected", rec["job_id"], f"{what} (target {rec['target']})")
@@ -1035,16 +1169,25 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
     prev_max_end = pd.Series(target_end).groupby(job, sort=False).cummax().to_numpy()
     prev_max_end = np.where(first_of_job, -np.inf, np.roll(prev_max_end, 1))
     conc_rows = np.flatnonzero(received < prev_max_end)
-    # Early retries: the delivery after one the worker saw fail transiently.
-    n_for_policy = np.where(np.isnan(attempt), position, np.minimum(position, attempt))
-    n_for_policy = np.maximum(n_for_policy, 1).astype(np.int64)
+    # Early retries: the delivery after one the worker saw fail transiently. The failed
+    # attempt's number is the target's own count (the header is the queue's word; it is
+    # used only where an explained redelivery precedes, see below).
+    n_for_policy = position.astype(np.int64)
     # The policy itself decides each bound (a few distinct attempt numbers, looked up).
     numbers = np.unique(n_for_policy)
     bounds = np.array([cfg.retry.min_delay(int(n)) for n in numbers], dtype=np.float64)
     min_delay = bounds[np.searchsorted(numbers, n_for_policy)] if len(numbers) else (
         np.zeros(0))
+    timed_out = ~in_time & (late | hang_forever)
     fail_seen = np.where(in_time, answered,
-                         np.where(late | hang_forever, received + timeout - tolerance, received))
+                         np.where(timed_out, received + timeout - tolerance, received))
+    # The worker's own end of a timed-out call, when it recorded one: its timer started
+    # before the target saw the request, so the failure may predate received + timeout.
+    ask = np.flatnonzero(timed_out & same_next)
+    if len(ask):
+        ends = _http_ends(h, job[ask], attempt[ask])
+        has = ~np.isnan(ends)
+        fail_seen[ask[has]] = np.maximum(ends[has], received[ask[has]])
     gap_ok = next_received >= fail_seen + min_delay - tolerance
     early_prev_rows = np.flatnonzero(same_next & (seen == _TRANSIENT) & ~gap_ok)
     # A delivery after one the worker saw fail permanently.
@@ -1060,9 +1203,18 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
     any_2xx[job[success_2xx]] = True
     in_time_2xx = np.zeros(n_jobs, dtype=bool)
     in_time_2xx[job[success_2xx & in_time]] = True
+    # A 2xx a worker could have seen: answered before its timeout, give or take the
+    # tolerance. A COMPLETED job needs one.
+    visible_2xx = np.zeros(n_jobs, dtype=bool)
+    visible_2xx[job[success_2xx & is_answered & (duration < timeout + tolerance)]] = True
 
     # Final states.
     f = h.final
+    # Whether the snapshot holds every row the runner took (None: run.json does not say).
+    snapshot_complete = None if cfg.final_jobs is None else cfg.final_jobs == len(f)
+    if snapshot_complete is False:
+        unknown.append(f"final snapshot incomplete: run.json says {cfg.final_jobs} rows, "
+                       f"{FINAL_JOBS_FILE} has {len(f)}")
     unknown_final = f["job"].to_numpy() < 0
     final_status = np.full(n_jobs, "", dtype=object)
     fin_known = f[~unknown_final]
@@ -1079,11 +1231,16 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
 
     # Jobs whose final state needs a closer look.
     completed_no_2xx = is_completed & ~any_2xx
+    completed_late = is_completed & any_2xx & ~visible_2xx
     failed_with_2xx = is_failed & in_time_2xx
     failed_vs_oracle = is_failed & expected_completed & ~in_time_2xx
-    # A job its oracle dead-letters and the queue dead-lettered needs no closer look.
+    # Dead-lettered as its oracle says, but before the deliveries the oracle requires.
+    failed_early = is_failed & ~expected_completed & (delivered_per_job < expected_deliveries)
+    # A job its oracle dead-letters and the queue dead-lettered is not lost.
     lost_candidate = (acked == 1) & ~any_2xx & ~is_live & ~(is_failed & ~expected_completed)
-    for mask in (completed_no_2xx, failed_with_2xx, failed_vs_oracle, lost_candidate):
+    absent_2xx = is_missing & (acked == 1) & any_2xx
+    for mask in (completed_no_2xx, completed_late, failed_with_2xx, failed_vs_oracle,
+                 failed_early, lost_candidate):
         candidates_jobs.update(np.flatnonzero(mask).tolist())
 
     # Stale writes: an applied write for attempt n after a claim of a later attempt.
@@ -1108,9 +1265,17 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
     for i in records:
         job_rows[int(job[i])].append(i)
 
+    # Redeliveries a recorded fault explains: each may come on top of max_attempts (an HTTP
+    # timeout explains a repeated 2xx, but the timed-out attempt still used an attempt).
     explained_extra: dict[int, int] = defaultdict(int)
-    explained_dups: set[int] = set()
-    explained_any: dict[int, str] = {}
+    extra_rows: set[int] = set()
+    fault_reason: dict[int, str] = {}
+
+    def allow(j: int, i: int, why: _Why) -> None:
+        if i not in extra_rows:
+            explained_extra[j] += 1
+            extra_rows.add(i)
+        fault_reason.setdefault(j, why.text)
 
     # Duplicates: every 2xx after the first; explained by an event on the earlier success.
     success_rows_by_job: dict[int, list[int]] = defaultdict(list)
@@ -1129,40 +1294,35 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
                       f"{_label(attempt[earlier])} by {records[earlier]['worker']} succeeded "
                       f"at {_fmt(received[earlier])}; nothing recorded explains it")
         else:
-            explained_extra[j] += 1
-            explained_dups.add(int(i))
-            explained_any[j] = dup_why
-            found.add("duplicate_explained", job_id, dup_why)
+            if dup_why.fault:
+                allow(j, int(i), dup_why)
+            found.add("duplicate_explained", job_id, dup_why.text)
 
     # Concurrent deliveries: overlapping an earlier one still in flight at the target.
     for i in conc_rows.tolist():
         j = int(job[i])
         overlapping = [r for r in job_rows[j] if r < i and target_end[r] > received[i]]
-        reasons: list[str] = []
+        faults: list[_Why] = []
         for r in overlapping:
-            rec = records[r]
-            why = None
+            fault = explainer.explain(records[r], float(received[i]), timeouts=False)
+            if fault is not None:
+                faults.append(fault)
+                continue
             if ((late[r] or (hang_forever[r] and not is_answered[r]))
-                    and received[i] >= received[r] + timeout - tolerance):
-                why = (f"attempt {_label(attempt[r])} was abandoned at its "
-                       f"{timeout:g}s HTTP timeout")
-            if why is None and received[i] >= explainer.lease_end(
-                    j, float(attempt[r]), float(received[r])) - tolerance:
-                why = f"the lease of attempt {_label(attempt[r])} had expired"
-            if why is None:
-                why = explainer.explain(rec, float(received[i]), timeouts=False)
-            if why is None:
-                found.add("concurrent_delivery", h.job_ids[j],
-                          f"delivery at {_fmt(received[i])} (attempt {_label(attempt[i])}) "
-                          f"while attempt {_label(attempt[r])} from {_fmt(received[r])} "
-                          "was still in flight with its lease held")
-                break
-            reasons.append(why)
+                    and received[i] >= explainer.gave_up(j, float(attempt[r]),
+                                                         float(received[r])) - tolerance):
+                continue  # abandoned at its HTTP timeout
+            if received[i] >= explainer.lease_end(j, float(attempt[r]),
+                                                  float(received[r])) - tolerance:
+                continue  # its lease had expired
+            found.add("concurrent_delivery", h.job_ids[j],
+                      f"delivery at {_fmt(received[i])} (attempt {_label(attempt[i])}) "
+                      f"while attempt {_label(attempt[r])} from {_fmt(received[r])} "
+                      "was still in flight with its lease held")
+            break
         else:
-            if int(i) not in explained_dups:
-                explained_extra[j] += 1
-            if reasons:
-                explained_any[j] = reasons[0]
+            if faults:
+                allow(j, int(i), faults[0])
 
     # Early retries.
     for p in early_prev_rows.tolist():
@@ -1171,24 +1331,37 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
         if received[i] >= explainer.lease_end(j, float(attempt[p]), float(received[p])) \
                 - tolerance and not explainer.has_applied_write(j, float(attempt[p])):
             continue  # the lease expired: recovery makes the job due at once
+        bound = float(min_delay[p])
+        # Redeliveries a fault explains (up to this one) may not have counted as attempts.
+        prior = sum(1 for r in job_rows[j] if r <= p and not first_of_job[r] and (
+            r in extra_rows
+            or explainer.explain(records[r - 1], float(received[r]), timeouts=False)
+            is not None))
+        if prior:
+            # Then the attempt header (or, without one, the count less them) numbers it.
+            n = (int(position[p]) - prior if math.isnan(attempt[p])
+                 else min(int(position[p]), int(attempt[p])))
+            bound = cfg.retry.min_delay(max(n, 1))
+            if received[i] >= fail_seen[p] + bound - tolerance:
+                continue
         # Nothing else excuses it: a timeout or a fault is still a transient failure whose
         # write sets the backoff, and without that write the lease holds the job.
         gap = received[i] - fail_seen[p]
         found.add("early_retry", h.job_ids[j],
                   f"retry at {_fmt(received[i])} came {gap:.3f}s after attempt "
                   f"{_label(attempt[p])} failed; the backoff allows no less than "
-                  f"{min_delay[p]:.3f}s")
+                  f"{bound:.3f}s")
 
-    # Attempts: beyond max_attempts (explained redeliveries aside), or after a permanent
-    # failure.
+    # Attempts: beyond max_attempts (fault-explained redeliveries aside), or after a
+    # permanent failure.
     over = np.flatnonzero(delivered_per_job > h.job_max_attempts)
     exceeded: dict[int, str] = {}
     for j in over.tolist():
         extra = explained_extra.get(j, 0)
         count = int(delivered_per_job[j])
         if count - extra > h.job_max_attempts[j]:
-            exceeded[j] = (f"{count} deliveries ({extra} explained) for max_attempts "
-                           f"{h.job_max_attempts[j]}")
+            exceeded[j] = (f"{count} deliveries ({extra} explained by faults) for "
+                           f"max_attempts {h.job_max_attempts[j]}")
     for i in after_perm_rows.tolist():
         j = int(job[i])
         if j in exceeded:
@@ -1202,9 +1375,13 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
         found.add("attempts_exceeded", h.job_ids[j], why)
 
     # Account limits, from delivery intervals as the queue sees them: a delivery the worker
-    # abandoned on its timeout no longer holds a slot.
-    _check_limits(h, d, job, received, answered, target_end, is_answered, late, hang_forever,
-                  timeout, tolerance, found)
+    # abandoned on its timeout no longer holds a slot, nor does one made after its own lease
+    # had run out (recovery had freed that slot).
+    excused, excused_examples = _check_limits(h, d, job, attempt, received, target_end,
+                                              is_answered, late, hang_forever, timeout,
+                                              tolerance, found)
+    if excused:
+        details["limit_excused"] = {"count": excused, "examples": excused_examples}
 
     # Final states: stuck, lost, state_mismatch.
     if cfg.drained:
@@ -1219,28 +1396,40 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
     for j in np.flatnonzero(completed_no_2xx).tolist():
         found.add("state_mismatch", h.job_ids[j],
                   "COMPLETED but the target never answered 2xx")
+    for j in np.flatnonzero(completed_late).tolist():
+        late_rows = [r for r in job_rows[j] if success_2xx[r]]
+        if any(explainer.late_success(records[r]) is not None for r in late_rows):
+            continue
+        first = late_rows[0]
+        found.add("state_mismatch", h.job_ids[j],
+                  f"COMPLETED but every 2xx came past the {timeout:g}s HTTP timeout (attempt "
+                  f"{_label(attempt[first])} after {duration[first]:.2f}s): no worker could "
+                  "have seen it")
     for j in np.flatnonzero(failed_with_2xx).tolist():
         ok_rows = [r for r in job_rows[j] if success_2xx[r] and in_time[r]]
-        reason = None
+        explained = False
         for r in ok_rows:
             nxt_time = next_received[r] if same_next[r] else math.inf
-            reason = explainer.explain(records[r], float(nxt_time))
-            if reason is not None:
+            if explainer.explain(records[r], float(nxt_time)) is not None:
+                explained = True
                 break
-        if reason is None:
+        if not explained:
             found.add("state_mismatch", h.job_ids[j],
                       f"FAILED although the target answered 2xx to attempt "
                       f"{_label(attempt[ok_rows[0]])} and nothing explains it")
     fault_consumed: dict[int, str | None] = {}
 
     def consumed(j: int) -> str | None:
+        """A recorded fault that used up one of the job's attempts (an HTTP timeout does
+        not count: the oracle already expects it)."""
         if j not in fault_consumed:
-            reason = explained_any.get(j)
+            reason = fault_reason.get(j)
             if reason is None:
                 for r in job_rows[j]:
                     nxt_time = next_received[r] if same_next[r] else math.inf
-                    reason = explainer.explain(records[r], float(nxt_time))
-                    if reason is not None:
+                    why = explainer.explain(records[r], float(nxt_time), timeouts=False)
+                    if why is not None:
+                        reason = why.text
                         break
             if reason is None:
                 reason = explainer.fault_touched(j, str(h.job_ids[j]))
@@ -1252,8 +1441,22 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
             found.add("state_mismatch", h.job_ids[j],
                       "FAILED but its script completes within max_attempts "
                       f"({int(delivered_per_job[j])} deliveries, no fault recorded)")
+    for j in np.flatnonzero(failed_early).tolist():
+        if consumed(j) is None:
+            found.add("state_mismatch", h.job_ids[j],
+                      f"FAILED after {int(delivered_per_job[j])} deliveries, but a correct "
+                      f"queue delivers it {int(expected_deliveries[j])} times before "
+                      f"dead-lettering it (max_attempts {h.job_max_attempts[j]}), and no "
+                      "fault used up attempts")
+    # An acknowledged job with no final row: judged only when the snapshot is known to be
+    # whole (or, when run.json does not say, if the job was never delivered with 2xx).
+    absent_unjudged = 0
     for j in np.flatnonzero(lost_candidate).tolist():
         if is_missing[j]:
+            if snapshot_complete is False or (snapshot_complete is None
+                                              and consumed(j) is not None):
+                absent_unjudged += 1
+                continue
             found.add("lost", h.job_ids[j],
                       "enqueue acknowledged, never delivered with 2xx, absent from the "
                       "final states")
@@ -1267,24 +1470,38 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
                       f"enqueue acknowledged, FAILED after {int(delivered_per_job[j])} "
                       "deliveries without 2xx, though its script completes and no fault "
                       "consumed its attempts")
+    for j in np.flatnonzero(absent_2xx).tolist():
+        if snapshot_complete:
+            found.add("state_mismatch", h.job_ids[j],
+                      f"delivered with 2xx but absent from the final snapshot, which "
+                      f"run.json says is whole ({cfg.final_jobs} rows)")
+        else:
+            absent_unjudged += 1
+    if absent_unjudged:
+        unknown.append(f"{absent_unjudged} acknowledged jobs have no row in {FINAL_JOBS_FILE} "
+                       "and the snapshot is not known to be whole")
 
     # Stale writes.
     if len(stale_candidates):
         # Each write against the claims of its job: the earliest later attempt claimed
-        # before the write (a retried job's every earlier write is a candidate).
+        # before the write was sent (the event is logged after the commit, maybe much
+        # later; `started` is when the statement went out).
         cols = ["job", "attempt", "time", "worker"]
         stale_rows = stale_candidates[cols].reset_index(drop=True)
+        started = _floats(h.event_data.field("started", stale_candidates.index.to_numpy()))
+        logged = stale_rows["time"].to_numpy()
+        stale_rows["sent"] = np.where(np.isnan(started), logged, np.minimum(started, logged))
         stale_rows["write"] = np.arange(len(stale_rows))
         matched = stale_rows.merge(claims[claims["job"].isin(stale_rows["job"])][cols], on="job",
-                               suffixes=("", "_claim"))
+                                   suffixes=("", "_claim"))
         matched = matched[(matched["attempt_claim"] > matched["attempt"])
-                        & (matched["time_claim"] < matched["time"] - tolerance)]
+                          & (matched["time_claim"] < matched["sent"] - tolerance)]
         stale = (matched.sort_values("time_claim", kind="stable")
                  .drop_duplicates("write").sort_values("write"))
         for rec in _records(stale):
             found.add("stale_write", h.job_ids[int(rec["job"])],
                       f"{rec['worker']} applied its result for attempt "
-                      f"{_label(rec['attempt'])} at {_fmt(rec['time'])}, after "
+                      f"{_label(rec['attempt'])} at {_fmt(rec['sent'])}, after "
                       f"{rec['worker_claim']} claimed attempt {_label(rec['attempt_claim'])} "
                       f"at {_fmt(rec['time_claim'])}")
 
@@ -1299,7 +1516,7 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
                        "deliveries")
 
     found.counts["enqueued"] = int((acked == 1).sum())
-    details = {
+    details.update({
         "enqueue_invoked": n_jobs,
         "enqueue_unknown": int((acked == 0).sum()),
         "enqueue_failed": int((acked == -1).sum()),
@@ -1308,8 +1525,50 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
         "faults_skipped": sum(1 for f_ in h.faults if f_.get("skipped")),
         "worker_events": len(h.events),
         "distinct_oracles": len(cache._cache),
-    }
+    })
     return found, unknown, details
+
+
+def _floats(values: np.ndarray) -> np.ndarray:
+    """An object array of JSON values as float64: NaN for anything but a number."""
+    if values.dtype == np.float64:
+        return values
+    return np.array([float(v) if isinstance(v, int | float) and not isinstance(v, bool)
+                     else math.nan for v in values.tolist()], dtype=np.float64)
+
+
+def _http_ends(h: _History, job: np.ndarray, attempt: np.ndarray) -> np.ndarray:
+    """For each (job, attempt), the earliest `end` a worker recorded for that attempt's
+    HTTP call; NaN where none was recorded."""
+    out = np.full(len(job), np.nan)
+    ev = h.events
+    http = ev[(ev["kind"] == "http") & ev["job"].isin(np.unique(job))]
+    if not len(http):
+        return out
+    table = pd.DataFrame({
+        "job": http["job"].to_numpy(),
+        "attempt": http["attempt"].to_numpy(),
+        "end": _floats(h.event_data.field("end", http.index.to_numpy())),
+    }).dropna().groupby(["job", "attempt"], sort=False)["end"].min().reset_index()
+    want = pd.DataFrame({"job": job, "attempt": attempt, "row": np.arange(len(job))})
+    merged = want.merge(table, on=["job", "attempt"], how="inner")
+    out[merged["row"].to_numpy()] = merged["end"].to_numpy()
+    return out
+
+
+def _lease_last(h: _History, jobs: np.ndarray) -> pd.DataFrame:
+    """Per (job, attempt) of `jobs`: the last time its lease was taken or renewed (`last`),
+    from the workers' claim and renewal events. A lease runs `lease_seconds` from there."""
+    ev = h.events
+    kinds = ev[ev["job"].isin(jobs) & ev["kind"].isin(["claim", "renew"])]
+    renews = np.flatnonzero((kinds["kind"] == "renew").to_numpy())
+    held = np.ones(len(kinds), dtype=bool)
+    if len(renews):
+        lost = h.event_data.field("lost", kinds.index.to_numpy()[renews])
+        held[renews] = [v is not True for v in lost.tolist()]
+    kinds = kinds[held]
+    return (kinds.groupby(["job", "attempt"], sort=False)["time"].max()
+            .rename("last").reset_index())
 
 
 def _label(value: Any) -> str:
@@ -1320,13 +1579,15 @@ def _label(value: Any) -> str:
     return "?" if math.isnan(number) else str(int(number))
 
 
-def _check_limits(h: _History, d: pd.DataFrame, job: np.ndarray, received: np.ndarray,
-                  answered: np.ndarray, target_end: np.ndarray, is_answered: np.ndarray,
+def _check_limits(h: _History, d: pd.DataFrame, job: np.ndarray, attempt: np.ndarray,
+                  received: np.ndarray, target_end: np.ndarray, is_answered: np.ndarray,
                   late: np.ndarray, hang_forever: np.ndarray, timeout: float, tolerance: float,
-                  found: _Findings) -> None:
+                  found: _Findings) -> tuple[int, list[dict[str, Any]]]:
+    """Flag deliveries over their account's limit; returns how many deliveries were left
+    out because their own lease had run out when they were made, with examples."""
     limits = {k: v for k, v in h.config.account_limits.items() if v is not None}
     if not limits or not len(d):
-        return
+        return 0, []
     # The account comes from the enqueue (configuration), not from a header the queue sent.
     account = h.job_account[job]
     header_account = d["account"].to_numpy()
@@ -1334,11 +1595,26 @@ def _check_limits(h: _History, d: pd.DataFrame, job: np.ndarray, received: np.nd
     limit = pd.Series(account).map(limits).to_numpy(dtype="float64")
     limited = ~np.isnan(limit)
     if not limited.any():
-        return
+        return 0, []
     abandoned = received + timeout - tolerance
     queue_end = np.where(late | (~is_answered & hang_forever), np.minimum(target_end, abandoned),
                          target_end)
     rows = np.flatnonzero(limited)
+    # A worker that resumes past its lease (paused, stalled) and makes its call anyway holds
+    # no slot: recovery had freed it for the job's next attempt. The lease is the configured
+    # one from the attempt's last claim or renewal.
+    last = _lease_last(h, np.unique(job[rows]))
+    want = pd.DataFrame({"job": job[rows], "attempt": attempt[rows], "row": rows})
+    merged = want.merge(last, on=["job", "attempt"], how="inner")
+    at = merged["row"].to_numpy()
+    expired = received[at] >= merged["last"].to_numpy() + h.config.lease_seconds - tolerance
+    stale = at[expired]
+    excused = [{"job_id": str(h.job_ids[int(job[r])]),
+                "why": f"delivered at {_fmt(received[r])}, after the lease of attempt "
+                       f"{_label(attempt[r])} had run out: it held no slot"}
+               for r in stale[:MAX_EXAMPLES].tolist()]
+    excused_count = len(stale)
+    rows = np.setdiff1d(rows, stale)
     n = len(rows)
     events = pd.DataFrame({
         "account": np.concatenate([account[rows], account[rows]]),
@@ -1355,6 +1631,7 @@ def _check_limits(h: _History, d: pd.DataFrame, job: np.ndarray, received: np.nd
         found.add("limit_exceeded", h.job_ids[int(job[row])],
                   f"account {account[row]} had {int(count)} deliveries in flight at "
                   f"{_fmt(received[row])}, limit {int(limit[row])}")
+    return excused_count, excused
 
 
 def check_run(run_dirs: Sequence[Path], *,

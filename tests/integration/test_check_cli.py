@@ -130,7 +130,19 @@ def test_second_directory_without_logs_exits_2(tmp_path: Path) -> None:
     empty.mkdir()
     done = skiplock("check", run_dir, empty)
     assert done.returncode == 2
-    assert "holds neither deliveries/ nor workers/" in done.stderr
+    assert "holds none of deliveries/, workers/, enqueues.jsonl" in done.stderr
+
+
+def test_incomplete_final_snapshot_exits_3(tmp_path: Path) -> None:
+    """run.json says the snapshot had 5 rows; final_jobs.jsonl has 2: not judged valid."""
+    run_dir = good_run(tmp_path)
+    info = json.loads((run_dir / "run.json").read_text())
+    (run_dir / "run.json").write_text(json.dumps({**info, "final_jobs": 5}))
+    done = skiplock("check", run_dir)
+    assert done.returncode == 3, done.stderr
+    verdict = json.loads((run_dir / "verdict.json").read_text())
+    assert verdict["unknown_reasons"] == [
+        "final snapshot incomplete: run.json says 5 rows, final_jobs.jsonl has 2"]
 
 
 def test_no_directory_is_a_usage_error() -> None:

@@ -107,11 +107,12 @@ def test_faulty_scripts_with_correct_retries_and_dead_letters_pass(tmp_path: Pat
     b.attempt("reset", 2, claimed=100.6)
     b.final("reset", "COMPLETED", attempts=2)
     # Hangs past the timeout every time: the target answers 200 late (duplicates the timeout
-    # explains) and the job is dead-lettered.
+    # explains) and the job is dead-lettered. Each retry waits its backoff after the
+    # worker's call ended (claim + 2 s timeout).
     b.enqueue("hang", script=ALWAYS_HANG, max_attempts=3)
     b.attempt("hang", 1, claimed=100.0, latency=5.0, behaviour="hang")
     b.attempt("hang", 2, claimed=102.6, latency=5.0, behaviour="hang")
-    b.attempt("hang", 3, claimed=105.2, latency=5.0, behaviour="hang")
+    b.attempt("hang", 3, claimed=105.7, latency=5.0, behaviour="hang")
     b.final("hang", "FAILED", attempts=3)
     verdict = check(b, tmp_path)
     assert verdict.valid is True, verdict.examples
@@ -378,7 +379,7 @@ def test_attempts_exceeded(tmp_path: Path) -> None:
     verdict = check(b, tmp_path)
     assert anomalies(verdict) == {"attempts_exceeded": 2}
     assert verdict.examples["attempts_exceeded"] == [
-        {"job_id": "over", "why": "3 deliveries (0 explained) for max_attempts 2"},
+        {"job_id": "over", "why": "3 deliveries (0 explained by faults) for max_attempts 2"},
         {"job_id": "again",
          "why": "delivered again at 101.001 after attempt 1 failed permanently (status 400)"},
     ]
@@ -652,24 +653,29 @@ def test_layout_does_not_change_the_verdict(tmp_path: Path) -> None:
     assert anomalies(verdicts[0]) == {"duplicate_explained": 1, "lost": 1, "early_retry": 1}
 
 
-@pytest.mark.parametrize("renewal", [None, "epoch", "iso"])
-def test_renewed_lease_is_read_as_epoch_or_iso_text(tmp_path: Path, renewal: str | None) -> None:
-    """A renewal moves the lease end (epoch seconds in synthetic histories, ISO text from
-    the dispatcher): a retry inside the renewed lease is concurrent and early; without the
-    renewal the lease had expired and the retry was due."""
+@pytest.mark.parametrize("renewal", [None, "epoch", "iso", "short", "lost"])
+def test_renewal_extends_the_lease_by_the_configured_lease(tmp_path: Path,
+                                                          renewal: str | None) -> None:
+    """A renewal at 107 s holds the lease until 117 s (the configured 10 s from the renewal),
+    whatever lease end the queue reported (epoch seconds, ISO text, or one that already
+    passed): a retry at 115 s is concurrent and early. Without the renewal, or with one
+    recorded as lost, the lease had expired at 110 s and the retry was due."""
     b = RunBuilder(http_timeout_seconds=60.0, lease_seconds=10.0)
     b.enqueue(JOB, script=SUCCEED)
     b.attempt(JOB, 1, claimed=100.0, worker="worker-0", latency=40.0, status=503,
               behaviour="status", write="fenced")
-    if renewal is not None:
-        until = 130.0
-        b.event("renew", "worker-0", 105.0, job_id=JOB, attempt=1,
+    if renewal == "lost":
+        b.event("renew", "worker-0", 107.0, job_id=JOB, attempt=1, lost=True)
+    elif renewal is not None:
+        until = {"epoch": 117.0, "iso": 117.0, "short": 101.0}[renewal]
+        b.event("renew", "worker-0", 107.0, job_id=JOB, attempt=1,
                 locked_until=datetime.fromtimestamp(until, UTC).isoformat()
                 if renewal == "iso" else until)
     b.attempt(JOB, 2, claimed=115.0, worker="worker-1")
     b.final(JOB, "COMPLETED", attempts=2)
     verdict = check(b, tmp_path)
-    expected = {} if renewal is None else {"concurrent_delivery": 1, "early_retry": 1}
+    expected = ({} if renewal in (None, "lost")
+                else {"concurrent_delivery": 1, "early_retry": 1})
     assert anomalies(verdict) == expected
 
 
@@ -844,3 +850,336 @@ def test_write_verdict(tmp_path: Path) -> None:
     assert all(isinstance(v, int) for v in raw["counts"].values())
     assert set(VIOLATION_KEYS) <= set(raw["counts"])
     assert raw["examples"] == {}
+
+
+# --------------------------------------------------------------------------------------------
+# Dead letters, attempts and final states judged against the oracle, not the queue's word.
+# --------------------------------------------------------------------------------------------
+
+
+def test_dead_letter_before_the_oracle_allows_is_a_state_mismatch(tmp_path: Path) -> None:
+    """A job its oracle dead-letters must still get every delivery the oracle requires
+    first: 503 for ever with max_attempts 5 needs five, a 400 needs one."""
+    b = RunBuilder()
+    b.enqueue("early", script=ALWAYS_503, max_attempts=5)
+    b.attempt("early", 1, claimed=100.0, status=503, behaviour="status")
+    b.final("early", "FAILED", attempts=1, max_attempts=5)
+    b.enqueue("never", script=ALWAYS_400, max_attempts=3)
+    b.final("never", "FAILED", attempts=0)
+    verdict = check(b, tmp_path)
+    assert verdict.valid is False
+    assert anomalies(verdict) == {"state_mismatch": 2}
+    assert verdict.examples["state_mismatch"] == [
+        {"job_id": "early", "why": "FAILED after 1 deliveries, but a correct queue delivers it "
+         "5 times before dead-lettering it (max_attempts 5), and no fault used up attempts"},
+        {"job_id": "never", "why": "FAILED after 0 deliveries, but a correct queue delivers it "
+         "1 times before dead-lettering it (max_attempts 3), and no fault used up attempts"},
+    ]
+
+
+def test_dead_letter_early_is_legitimate_when_a_fault_used_up_attempts(tmp_path: Path) -> None:
+    b = RunBuilder()
+    b.enqueue(JOB, script=ALWAYS_503, max_attempts=2)
+    b.attempt(JOB, 1, claimed=100.0, status=503, behaviour="status")
+    b.event("claim", "worker-1", 101.0, job_id=JOB, attempt=2)
+    b.event("failpoint", "worker-1", 101.01, job_id=JOB, attempt=2, name="crash_after_claim")
+    b.final(JOB, "FAILED", attempts=2, max_attempts=2)
+    assert anomalies(check(b, tmp_path)) == {}
+
+
+def test_timeouts_do_not_add_to_the_attempts_allowed(tmp_path: Path) -> None:
+    """Every delivery of a hang job times out; each used an attempt. Six deliveries for
+    max_attempts 3 is three too many, though each repeated 2xx is explained by a timeout."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=ALWAYS_HANG, max_attempts=3)
+    t = 100.0
+    for n in range(1, 7):
+        b.attempt(JOB, n, claimed=t, latency=5.0, behaviour="hang")
+        t += 70.0
+    b.final(JOB, "FAILED", attempts=6)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"attempts_exceeded": 1, "duplicate_explained": 5}
+    assert whys(verdict, "attempts_exceeded") == [
+        "6 deliveries (0 explained by faults) for max_attempts 3"]
+    assert all(w.startswith("HTTP timeout") for w in whys(verdict, "duplicate_explained"))
+
+
+def test_completed_on_a_2xx_answered_after_the_timeout_is_a_state_mismatch(
+        tmp_path: Path) -> None:
+    """No worker waits past its timeout: a job COMPLETED on a 2xx that came after it was
+    completed by a dispatcher that ignores its timeout."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=ALWAYS_HANG, max_attempts=3)
+    b.attempt(JOB, 1, claimed=100.0, latency=5.0, behaviour="hang", result="ok")
+    b.final(JOB, "COMPLETED")
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"state_mismatch": 1}
+    assert whys(verdict, "state_mismatch") == [
+        "COMPLETED but every 2xx came past the 2s HTTP timeout (attempt 1 after 5.00s): no "
+        "worker could have seen it"]
+
+
+def test_completed_on_a_late_2xx_is_explained_by_a_paused_worker(tmp_path: Path) -> None:
+    """Stopped during the call, the worker's timer cannot fire before the answer is read."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=ALWAYS_HANG, max_attempts=3)
+    b.attempt(JOB, 1, claimed=100.0, latency=5.0, behaviour="hang", result="ok")
+    b.fault("pause_worker", 100.5, 106.0, target="worker-0")
+    b.final(JOB, "COMPLETED")
+    assert anomalies(check(b, tmp_path)) == {}
+
+
+@pytest.mark.parametrize(
+    ("fault", "target"),
+    [
+        ("terminate_backends", "postgres"),
+        ("restart_postgres", "postgres"),
+        ("kill_worker", "worker-0"),
+        ("pause_worker", "worker-0"),
+        ("exhaust_pool", None),
+    ],
+)
+def test_fault_after_the_applied_write_explains_nothing(tmp_path: Path, fault: str,
+                                                        target: str | None) -> None:
+    """Attempt 1's success was applied at 100.014; a fault at 150 s cannot be why the job
+    ran again at 200 s."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED)
+    b.attempt(JOB, 1, claimed=100.0)
+    b.fault(fault, 150.0, 150.5, target=target)
+    b.attempt(JOB, 2, claimed=200.0, worker="worker-1")
+    b.final(JOB, "COMPLETED", attempts=2)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"duplicate_unexplained": 1}
+
+
+def test_error_stop_after_the_applied_write_explains_nothing(tmp_path: Path) -> None:
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED)
+    b.attempt(JOB, 1, claimed=100.0)
+    b.event("stop", "worker-0", 150.0, reason="error: boom")
+    b.attempt(JOB, 2, claimed=200.0, worker="worker-1")
+    b.final(JOB, "COMPLETED", attempts=2)
+    assert anomalies(check(b, tmp_path)) == {"duplicate_unexplained": 1}
+
+
+def test_fault_after_the_lease_ran_out_explains_nothing(tmp_path: Path) -> None:
+    """No write, so the lease (10 s from the claim at 100 s) bounds the attempt: a kill at
+    130 s is not why it was redelivered at 140 s."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED)
+    b.attempt(JOB, 1, claimed=100.0, write=None)
+    b.fault("kill_worker", 130.0, None, target="worker-0")
+    b.attempt(JOB, 2, claimed=140.0, worker="worker-1")
+    b.final(JOB, "COMPLETED", attempts=2)
+    assert anomalies(check(b, tmp_path)) == {"duplicate_unexplained": 1}
+
+
+@pytest.mark.parametrize(("durable", "expected"), [
+    (None, "duplicate_unexplained"),  # not recorded: judged as durable
+    (True, "duplicate_unexplained"),
+    (False, "duplicate_explained"),
+])
+def test_restart_after_the_applied_write_explains_only_on_a_server_that_is_not_durable(
+        tmp_path: Path, durable: bool | None, expected: str) -> None:
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED)
+    b.attempt(JOB, 1, claimed=100.0)
+    b.fault("restart_postgres", 150.0, 152.0, target="postgres")
+    b.attempt(JOB, 2, claimed=200.0, worker="worker-1")
+    b.final(JOB, "COMPLETED", attempts=2)
+    run_dir = b.write(tmp_path / "run")
+    if durable is not None:
+        (run_dir / "spec.json").write_text(json.dumps(
+            {"scenario": "synthetic", "postgres": {"harness": {"durable": durable}}}))
+    verdict = check_run([run_dir])
+    assert anomalies(verdict) == {expected: 1}
+    if expected == "duplicate_explained":
+        assert whys(verdict, expected) == [
+            "restart_postgres of a server that is not durable at 150.000-152.000 after the "
+            "result of attempt 1 was applied"]
+
+
+def test_lease_comes_from_the_configuration_not_the_queue(tmp_path: Path) -> None:
+    """The queue reports a 0.1 s lease though the run configured 10 s: a second delivery
+    0.5 s later, while the first is in flight, is concurrent and early."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=FAIL_ONCE)
+    b.event("claim", "worker-0", 100.0, job_id=JOB, attempt=1, locked_until=100.1)
+    b.deliver(JOB, attempt=1, received=100.001, answered=101.0, status=503,
+              behaviour="status")
+    b.event("http", "worker-0", 101.0, job_id=JOB, attempt=1, start=100.0, end=101.0,
+            result="http_error", status=503, error=None)
+    b.event("write", "worker-0", 101.01, job_id=JOB, attempt=1, outcome="transient",
+            result="fenced", error=None)
+    b.attempt(JOB, 2, claimed=100.5, worker="worker-1")
+    b.final(JOB, "COMPLETED", attempts=2)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"concurrent_delivery": 1, "early_retry": 1}
+
+
+def test_backoff_is_numbered_by_the_target_not_the_attempt_header(tmp_path: Path) -> None:
+    """A queue that sends attempt 1 every time (and backs off as if each were the first)
+    is early on its second and third retries."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=script({"behaviour": "status", "status": 503}, 3), max_attempts=5)
+    for t in (100.0, 100.6, 101.2):
+        b.attempt(JOB, 1, claimed=t, status=503, behaviour="status")
+    b.attempt(JOB, 1, claimed=101.8)
+    b.final(JOB, "COMPLETED", attempts=4, max_attempts=5)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"early_retry": 2}
+    assert whys(verdict, "early_retry")[0].endswith("the backoff allows no less than 1.000s")
+
+
+def test_backoff_after_an_explained_redelivery_uses_the_attempt_header(tmp_path: Path) -> None:
+    """Attempt 1's success write was lost and the job redelivered as attempt 1 (a queue that
+    does not count an expired lease); its 503 is the first failure, so 0.5 s is enough,
+    though the target has seen the job twice."""
+    b = RunBuilder()
+    b.enqueue(JOB, script={"name": "ok-503-ok", "first": {"behaviour": "ok"}, "times": 1,
+                           "then": {"behaviour": "status", "status": 503}}, max_attempts=3)
+    b.attempt(JOB, 1, claimed=100.0, write="info")
+    b.attempt(JOB, 1, claimed=110.5, worker="worker-1", status=503, behaviour="status")
+    b.attempt(JOB, 2, claimed=111.2, worker="worker-1")
+    b.final(JOB, "COMPLETED", attempts=2)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"duplicate_explained": 1}
+
+
+def _snapshot(b: RunBuilder, tmp_path: Path, final_jobs: int | None) -> Verdict:
+    for name in ("a", "b", "c"):
+        b.enqueue(name, script=SUCCEED)
+        b.attempt(name, 1, claimed=100.0)
+    b.final("a", "COMPLETED")
+    if final_jobs is not None:
+        b.run_info["final_jobs"] = final_jobs
+    return check(b, tmp_path)
+
+
+def test_final_snapshot_smaller_than_recorded_is_unknown(tmp_path: Path) -> None:
+    verdict = _snapshot(RunBuilder(), tmp_path, 3)
+    assert verdict.valid == "unknown"
+    assert verdict.unknown_reasons == (
+        "final snapshot incomplete: run.json says 3 rows, final_jobs.jsonl has 1",
+        "2 acknowledged jobs have no row in final_jobs.jsonl and the snapshot is not known "
+        "to be whole",
+    )
+
+
+def test_missing_final_rows_without_a_recorded_count_are_unknown(tmp_path: Path) -> None:
+    verdict = _snapshot(RunBuilder(), tmp_path, None)
+    assert verdict.valid == "unknown"
+    assert verdict.unknown_reasons == (
+        "2 acknowledged jobs have no row in final_jobs.jsonl and the snapshot is not known "
+        "to be whole",)
+
+
+def test_job_absent_from_a_whole_snapshot_is_a_state_mismatch(tmp_path: Path) -> None:
+    verdict = _snapshot(RunBuilder(), tmp_path, 1)
+    assert anomalies(verdict) == {"state_mismatch": 2}
+    assert whys(verdict, "state_mismatch")[0] == (
+        "delivered with 2xx but absent from the final snapshot, which run.json says is whole "
+        "(1 rows)")
+
+
+@pytest.mark.parametrize(("started", "stale"), [(100.015, False), (100.5, True), (None, True)])
+def test_stale_write_compares_claims_with_when_the_write_was_sent(
+        tmp_path: Path, started: float | None, stale: bool) -> None:
+    """worker-0's 503 result was sent at 100.015 and applied; the event was logged at 101 s
+    (the worker stalled after the commit). worker-1's claim of the retry at 100.2 came after
+    the write was sent: no stale write. Sent at 100.5 (or not recorded), it is one."""
+    b = RunBuilder(retry_base_seconds=0.1)
+    b.enqueue(JOB, script=FAIL_ONCE, max_attempts=3)
+    b.event("claim", "worker-0", 100.0, job_id=JOB, attempt=1)
+    b.deliver(JOB, attempt=1, received=100.001, answered=100.01, status=503,
+              behaviour="status")
+    b.event("http", "worker-0", 100.011, job_id=JOB, attempt=1, start=100.0, end=100.011,
+            result="http_error", status=503, error=None)
+    extra: dict[str, Any] = {} if started is None else {"started": started}
+    b.event("write", "worker-0", 101.0, job_id=JOB, attempt=1, outcome="transient",
+            result="applied", error=None, **extra)
+    b.attempt(JOB, 2, claimed=100.2, worker="worker-1")
+    b.final(JOB, "COMPLETED", attempts=2)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == ({"stale_write": 1} if stale else {})
+
+
+def test_call_made_after_its_lease_ran_out_holds_no_slot(tmp_path: Path) -> None:
+    """worker-0 is paused with attempt 1 of "a" past its lease; recovery frees the slot and
+    "b" takes it; worker-0 resumes and makes its stale call while "b" is in flight. That
+    call held no slot of the account (the queue had already taken the lease back)."""
+    b = RunBuilder(account_limits={"acct-0": 1}, http_timeout_seconds=8.0, lease_seconds=10.0)
+    b.enqueue("a", script=SUCCEED, max_attempts=3)
+    b.event("claim", "worker-0", 100.0, job_id="a", attempt=1)
+    b.fault("pause_worker", 100.05, 115.0, target="worker-0")
+    b.enqueue("b", script=script({"behaviour": "slow", "seconds": 5.5}))
+    b.attempt("b", 1, claimed=110.5, latency=5.5, behaviour="slow", worker="worker-1")
+    b.final("b", "COMPLETED")
+    b.deliver("a", attempt=1, received=115.01, answered=115.02, worker="worker-0")
+    b.event("http", "worker-0", 115.02, job_id="a", attempt=1, start=115.0, end=115.02,
+            result="ok", status=200, error=None)
+    b.event("write", "worker-0", 115.03, job_id="a", attempt=1, outcome="success",
+            result="fenced", error=None)
+    b.attempt("a", 2, claimed=116.2, worker="worker-1")
+    b.final("a", "COMPLETED", attempts=2)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"duplicate_explained": 1}
+    assert verdict.details["limit_excused"] == {"count": 1, "examples": [{
+        "job_id": "a",
+        "why": "delivered at 115.010, after the lease of attempt 1 had run out: it held no "
+               "slot"}]}
+
+
+def test_request_without_a_job_id_is_unexpected(tmp_path: Path) -> None:
+    b = RunBuilder()
+    succeed_once(b, "a", 100.0)
+    b.deliver("", attempt=None, received=101.0, answered=101.0, status=400, worker=None,
+              account=None, behaviour="bad_request")
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"unexpected": 1}
+    assert verdict.examples["unexpected"] == [
+        {"job_id": "", "why": "a request without a job id header at 101.000 (target target-0)"}]
+
+
+def test_enqueues_of_every_directory_are_merged(tmp_path: Path) -> None:
+    """A producer on another machine wrote its own enqueues.jsonl."""
+    main = RunBuilder()
+    main.enqueue("here", script=SUCCEED)
+    main.attempt("here", 1, claimed=100.0)
+    main.final("here", "COMPLETED")
+    main.attempt("there", 1, claimed=100.0)
+    main.final("there", "COMPLETED")
+    run_dir = main.write(tmp_path / "run")
+    other = RunBuilder()
+    other.enqueue("there", script=SUCCEED)
+    other.enqueue("gone", script=SUCCEED)
+    other_dir = tmp_path / "producer-2"
+    other_dir.mkdir()
+    (other_dir / "enqueues.jsonl").write_text("\n".join(other.enqueues) + "\n")
+    alone = check_run([run_dir])
+    assert anomalies(alone) == {"unexpected": 1}
+    merged = check_run([run_dir, other_dir])
+    assert merged.counts["enqueued"] == 3
+    assert anomalies(merged) == {"lost": 1}
+    assert [e["job_id"] for e in merged.examples["lost"]] == ["gone"]
+    assert str(other_dir / "enqueues.jsonl") in merged.files
+
+
+def test_early_retry_after_a_timeout_counts_from_the_workers_end_of_the_call(
+        tmp_path: Path) -> None:
+    """The worker's timer started at 100 s but the request reached the target only at
+    101 s (a slow connect): the call timed out at 102 s, and a retry at 102.6 s is 0.6 s
+    later, more than the 0.5 s backoff. Nor is it concurrent: the first call was abandoned."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=script({"behaviour": "hang", "seconds": 5.0}, 1), max_attempts=3)
+    b.event("claim", "worker-0", 100.0, job_id=JOB, attempt=1)
+    b.deliver(JOB, attempt=1, received=101.0, answered=106.0, behaviour="hang")
+    b.event("http", "worker-0", 102.0, job_id=JOB, attempt=1, start=100.0, end=102.0,
+            result="timeout", status=None, error="no answer within 2s")
+    b.event("write", "worker-0", 102.01, job_id=JOB, attempt=1, outcome="transient",
+            result="applied", error=None, started=102.0)
+    b.attempt(JOB, 2, claimed=102.6)
+    b.final(JOB, "COMPLETED", attempts=2)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"duplicate_explained": 1}
