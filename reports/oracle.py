@@ -37,7 +37,11 @@ class Expected(StrEnum):
 @dataclass(frozen=True, kw_only=True)
 class Oracle:
     """What a fault-free, correct run does with one job: `deliveries` deliveries, the last of
-    which ends it in `expected`. `outcomes[i]` is the outcome of delivery i + 1."""
+    which ends it in `expected`. `outcomes[i]` is the outcome of delivery i + 1.
+
+    A timeout uses an attempt like any transient failure, so `deliveries` is also the least a
+    correct queue makes before it dead-letters the job: fewer, with no recorded fault that
+    used up attempts, is a state mismatch."""
 
     expected: Expected
     deliveries: int
