@@ -5,7 +5,11 @@ Reading. The first run directory must hold `spec.json`, `run.json`, `enqueues.js
 optional (absent or empty: no fault ran). Further directories add their `deliveries/*.jsonl`,
 `workers/*.jsonl` and `nemesis.jsonl` (targets and workers on other machines). A file cut off
 mid-line makes the answer "unknown" rather than judging half a history; a line that is not
-JSON, or a record without its required fields, is bad input (`HistoryError`).
+JSON, or a record without its required fields, is bad input (`HistoryError`). Further
+directories may also hold an `enqueues.jsonl` (producers on other machines). When run.json
+records `final_jobs` (the rows the runner's snapshot had) and `final_jobs.jsonl` holds a
+different number, the answer is "unknown"; an acknowledged job with no final row is a
+state mismatch when the snapshot is known to be whole, else it makes the answer "unknown".
 
 Judging. Each job's oracle (`reports.oracle`) comes from its enqueue (script, max_attempts,
 account) and the run's configuration; the target's log says what was really delivered. The
@@ -13,7 +17,9 @@ whole-run checks are vectorised with pandas; the few suspicious rows they find a
 explained or not, one by one, against the recorded events (worker events and faults).
 
 Timing tolerance: the target, the workers and the nemesis share one clock, but a worker logs
-an event a little after it happened, so time comparisons allow `tolerance_seconds`.
+an event a little after it happened, so time comparisons allow `tolerance_seconds`. Leases
+are the configured `lease_seconds` from the worker's claim or renewal, never the lease end
+the queue reported.
 """
 
 from __future__ import annotations
