@@ -450,6 +450,7 @@ def pgbench_script(statements: Mapping[str, str]) -> str:
         " FROM (SELECT (row_number() OVER () - 1)::integer AS ord, * FROM claimed) AS c"
     )
     claim = claim[: tail.start()] + handover
+    lock = _PLACEHOLDER.sub(lambda m: ":" + m.group(1), lock)
     claim = _PLACEHOLDER.sub(lambda m: ":" + m.group(1), claim)
     finish = _PLACEHOLDER.sub(lambda m: ":" + m.group(1), finish)
     return "\n".join(
