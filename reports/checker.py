@@ -1589,8 +1589,9 @@ def _check_limits(h: _History, d: pd.DataFrame, job: np.ndarray, attempt: np.nda
                   received: np.ndarray, target_end: np.ndarray, is_answered: np.ndarray,
                   late: np.ndarray, hang_forever: np.ndarray, timeout: float, tolerance: float,
                   found: _Findings) -> tuple[int, list[dict[str, Any]]]:
-    """Flag deliveries over their account's limit; returns how many deliveries were left
-    out because their own lease had run out when they were made, with examples."""
+    """Flag deliveries over their account's limit; returns how many deliveries of accounts
+    that looked full were left out because their own lease had run out when they were
+    made, with examples."""
     limits = {k: v for k, v in h.config.account_limits.items() if v is not None}
     if not limits or not len(d):
         return 0, []
@@ -1606,34 +1607,48 @@ def _check_limits(h: _History, d: pd.DataFrame, job: np.ndarray, attempt: np.nda
     queue_end = np.where(late | (~is_answered & hang_forever), np.minimum(target_end, abandoned),
                          target_end)
     rows = np.flatnonzero(limited)
-    # A worker that resumes past its lease (paused, stalled) and makes its call anyway holds
-    # no slot: recovery had freed it for the job's next attempt. The lease is the configured
-    # one from the attempt's last claim or renewal.
-    last = _lease_last(h, np.unique(job[rows]))
-    want = pd.DataFrame({"job": job[rows], "attempt": attempt[rows], "row": rows})
-    merged = want.merge(last, on=["job", "attempt"], how="inner")
-    at = merged["row"].to_numpy()
-    expired = received[at] >= merged["last"].to_numpy() + h.config.lease_seconds - tolerance
-    stale = at[expired]
-    excused = [{"job_id": str(h.job_ids[int(job[r])]),
-                "why": f"delivered at {_fmt(received[r])}, after the lease of attempt "
-                       f"{_label(attempt[r])} had run out: it held no slot"}
-               for r in stale[:MAX_EXAMPLES].tolist()]
-    excused_count = len(stale)
-    rows = np.setdiff1d(rows, stale)
-    n = len(rows)
-    events = pd.DataFrame({
-        "account": np.concatenate([account[rows], account[rows]]),
-        "time": np.concatenate([received[rows], queue_end[rows]]),
-        # Ends sort before starts at the same instant: a slot freed then taken is not two.
-        "delta": np.concatenate([np.ones(n, dtype=np.int64), -np.ones(n, dtype=np.int64)]),
-        "row": np.concatenate([rows, rows]),
-    })
-    events = events.sort_values(["account", "time", "delta"], kind="stable")
-    running = events.groupby("account", sort=False)["delta"].cumsum().to_numpy()
-    starts = events["delta"].to_numpy() == 1
-    over = starts & (running > limit[events["row"].to_numpy()])
-    for row, count in zip(events["row"].to_numpy()[over], running[over], strict=True):
+
+    def over_limit(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows (of `rows`) that found their account full, and how many were in flight."""
+        n = len(rows)
+        events = pd.DataFrame({
+            "account": np.concatenate([account[rows], account[rows]]),
+            "time": np.concatenate([received[rows], queue_end[rows]]),
+            # Ends sort before starts at the same instant: a slot freed then taken is not two.
+            "delta": np.concatenate([np.ones(n, dtype=np.int64), -np.ones(n, dtype=np.int64)]),
+            "row": np.concatenate([rows, rows]),
+        })
+        events = events.sort_values(["account", "time", "delta"], kind="stable")
+        running = events.groupby("account", sort=False)["delta"].cumsum().to_numpy()
+        starts = events["delta"].to_numpy() == 1
+        over = starts & (running > limit[events["row"].to_numpy()])
+        return events["row"].to_numpy()[over], running[over]
+
+    flagged, counts = over_limit(rows)
+    excused: list[dict[str, Any]] = []
+    excused_count = 0
+    if len(flagged):
+        # A worker that resumes past its lease (paused, stalled) and makes its call anyway
+        # holds no slot: recovery had freed it for the job's next attempt. The lease is the
+        # configured one from the attempt's last claim or renewal. Looked up only when some
+        # account looked full, for that account's deliveries.
+        full = np.flatnonzero(np.isin(account[rows], np.unique(account[flagged])))
+        suspects = rows[full]
+        last = _lease_last(h, np.unique(job[suspects]))
+        want = pd.DataFrame({"job": job[suspects], "attempt": attempt[suspects],
+                             "row": suspects})
+        merged = want.merge(last, on=["job", "attempt"], how="inner")
+        at = merged["row"].to_numpy()
+        expired = received[at] >= merged["last"].to_numpy() + h.config.lease_seconds - tolerance
+        stale = np.sort(at[expired])
+        if len(stale):
+            excused = [{"job_id": str(h.job_ids[int(job[r])]),
+                        "why": f"delivered at {_fmt(received[r])}, after the lease of attempt "
+                               f"{_label(attempt[r])} had run out: it held no slot"}
+                       for r in stale[:MAX_EXAMPLES].tolist()]
+            excused_count = len(stale)
+            flagged, counts = over_limit(np.setdiff1d(rows, stale))
+    for row, count in zip(flagged, counts, strict=True):
         found.add("limit_exceeded", h.job_ids[int(job[row])],
                   f"account {account[row]} had {int(count)} deliveries in flight at "
                   f"{_fmt(received[row])}, limit {int(limit[row])}")
