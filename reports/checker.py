@@ -43,6 +43,7 @@ import pyarrow.json as pajson  # type: ignore[import-untyped]
 
 from queue_impl.interface import JobStatus
 from queue_impl.retry import RetryPolicy
+from reports import columnar
 from reports.history import (
     DELIVERIES_DIR,
     ENQUEUES_FILE,
@@ -319,6 +320,9 @@ def _python_part(path: Path, rows: list[dict[str, Any]], lines: list[int],
 
 
 def _read_part(path: Path, schemas: Sequence[pa.Schema]) -> _Part:
+    cache = columnar.lookup(path, schemas)
+    if cache.table is not None:
+        return _arrow_part(path, cache.table, False)
     data = path.read_bytes()
     truncated = bool(data) and not data.endswith(b"\n")
     if truncated:
@@ -339,6 +343,8 @@ def _read_part(path: Path, schemas: Sequence[pa.Schema]) -> _Part:
             continue
         # Blank lines or two objects on a line would shift line numbers: read those slowly.
         if table.num_rows == lines:
+            if not truncated:
+                cache.store(table, read_bytes=len(data))
             return _arrow_part(path, table, truncated)
     return _python_part(path, *_parse_slow(path, data), schemas[0], truncated)
 
