@@ -53,6 +53,7 @@ import psycopg
 import psycopg.waiting
 from locust import User, constant, constant_throughput, events, task
 from locust.env import Environment
+from locust.exception import StopUser
 from locust.runners import MasterRunner, Runner
 from locust.stats import PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_history
 
@@ -110,6 +111,11 @@ class _Context:
     process: str
     writer: JsonlWriter
     users_started: int = 0
+    # Set when the load phase ends: users start no new enqueue, and the process waits for the
+    # ones in flight before Locust stops the users (killing a user mid-enqueue would leave an
+    # `info` outcome for a job that never had a chance).
+    stopping: bool = False
+    in_flight: int = 0
 
 
 CTX = _Context()
@@ -140,6 +146,15 @@ class EnqueueUser(User):
 
     @task
     def enqueue(self) -> None:
+        if CTX.stopping:
+            raise StopUser()
+        CTX.in_flight += 1
+        try:
+            self._enqueue()
+        finally:
+            CTX.in_flight -= 1
+
+    def _enqueue(self) -> None:
         spec = CTX.spec
         jobs: list[NewJob] = []
         for _ in range(spec.enqueue_batch):
@@ -211,13 +226,21 @@ def _run_until(runner: Runner, env: Environment, csv_base: Path | None, users: i
         greenlets.append(gevent.spawn(stats_history, runner))
     runner.start(users, spawn_rate=spawn_rate)
     gevent.sleep(max(0.0, stop_at - time.time()))
-    # stop() lets each user finish the enqueue it is in (stop_timeout), so the history has
-    # an outcome for every invoke in the ordinary case.
+    _let_enqueues_finish()
     runner.stop()
     runner.quit()
     gevent.killall(greenlets)
     if csv_writer is not None:
         _final_csv(csv_writer)
+
+
+def _let_enqueues_finish(limit_seconds: float = 10.0) -> None:
+    """End of the load phase: no new enqueue starts, and the ones in flight get up to
+    `limit_seconds` to finish, so every invoke in an ordinary run gets its ok or fail."""
+    CTX.stopping = True
+    deadline = time.time() + limit_seconds
+    while CTX.in_flight > 0 and time.time() < deadline:
+        gevent.sleep(0.01)
 
 
 def main(config: Mapping[str, Any]) -> int:
@@ -257,6 +280,7 @@ def main(config: Mapping[str, Any]) -> int:
             # The master stops the users at stop_at; Locust's own quit path may leave this
             # process waiting on its greenlets, so leave once the users are gone.
             gevent.sleep(max(0.0, stop_at - time.time()))
+            _let_enqueues_finish()
             deadline = time.time() + (env.stop_timeout or 0.0) + 5.0
             while worker.user_count > 0 and time.time() < deadline:
                 gevent.sleep(0.1)

@@ -91,6 +91,9 @@ def test_pg_passes_a_fault_free_run(pg_dsn: str, tmp_path: Path, no_leftovers: N
     counts = verdict.counts
     assert counts["enqueued"] > 50
     assert counts["completed"] == counts["enqueued"]
+    # A healthy run gives every enqueue an outcome: the load phase ends without killing a
+    # producer mid-enqueue, so no invoke is left "info".
+    assert verdict.to_json()["details"]["enqueue_unknown"] == 0
     for kind in ("lost", "duplicate_unexplained", "concurrent_delivery", "limit_exceeded",
                  "stuck", "stale_write", "unexpected"):
         assert counts[kind] == 0, kind
