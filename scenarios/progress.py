@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,11 @@ class Sample:
     in_flight: int  # PROCESSING
     queue_depth: int  # PENDING + RETRYING
     rate: float  # acknowledged enqueues per second since the previous sample
+    # Anomalies the target's log shows while the run goes. Raw signals: the checker decides
+    # after the run which ones a recorded fault or timeout explains.
+    unexpected: int = 0  # deliveries of a job id no producer invoked
+    over_attempts: int = 0  # deliveries of a job beyond its max_attempts
+    over_limit: int = 0  # deliveries that arrived with their account above its limit
 
 
 SAMPLE_COLUMNS = [f.name for f in fields(Sample)]
@@ -74,8 +79,13 @@ class Sampler:
     snapshot when the queue's tables are not the reference schema (a plug-in backend)."""
 
     def __init__(self, run_dir: Path, dsn: str | None, schema: str,
-                 backend: QueueBackend | None = None) -> None:
+                 backend: QueueBackend | None = None,
+                 limits: Mapping[str, int | None] | None = None) -> None:
         self.run_dir = run_dir
+        self.limits = dict(limits or {})
+        self.max_attempts: dict[str, int] = {}
+        self.seen: dict[str, int] = {}
+        self.unexpected = self.over_attempts = self.over_limit = 0
         self.dsn = dsn
         self.schema = schema
         self.backend = backend
@@ -90,10 +100,14 @@ class Sampler:
         self._use_sql = dsn is not None
 
     def _read_files(self) -> None:
+        # Enqueues first: an invoke is written before its job exists, so every delivery read
+        # below belongs to an invoke already read, unless the queue made the job up.
         for line in self.enqueues.lines():
-            kind = json.loads(line).get("type")
+            op = json.loads(line)
+            kind = op.get("type")
             if kind == "invoke":
                 self.invoked += 1
+                self.max_attempts[str(op.get("job_id"))] = int(op.get("max_attempts") or 0)
             elif kind == "ok":
                 self.ok += 1
             else:
@@ -103,6 +117,7 @@ class Sampler:
             for line in tail.lines():
                 record = json.loads(line)
                 self.delivered += 1
+                self._judge_arrival(record)
                 status = record.get("status")
                 if isinstance(status, int) and 200 <= status < 300:
                     self.delivered_ok += 1
@@ -110,6 +125,20 @@ class Sampler:
                     if job in self.succeeded:
                         self.duplicates += 1
                     self.succeeded.add(job)
+
+    def _judge_arrival(self, record: Mapping[str, Any]) -> None:
+        job = str(record.get("job_id"))
+        allowed = self.max_attempts.get(job)
+        if allowed is None:
+            self.unexpected += 1
+        else:
+            self.seen[job] = self.seen.get(job, 0) + 1
+            if allowed and self.seen[job] > allowed:
+                self.over_attempts += 1
+        limit = self.limits.get(str(record.get("account")))
+        in_flight = record.get("account_in_flight")
+        if limit is not None and isinstance(in_flight, int) and in_flight > limit:
+            self.over_limit += 1
 
     def status_counts(self) -> dict[str, int] | None:
         """Jobs per status; None when the queue cannot be asked right now."""
@@ -159,6 +188,9 @@ class Sampler:
             queue_depth=counts.get(JobStatus.PENDING.value, 0)
             + counts.get(JobStatus.RETRYING.value, 0),
             rate=rate,
+            unexpected=self.unexpected,
+            over_attempts=self.over_attempts,
+            over_limit=self.over_limit,
         )
         self.last = sample
         return sample
@@ -229,6 +261,12 @@ def _table(sample: Sample, title: str) -> Table:
         # design. Only the checker, after the run, can tell explained repeats from bugs.
         ("repeat deliveries after a 2xx (judged after the run)", str(sample.duplicates)),
     ]
+    raw = sample.unexpected + sample.over_attempts + sample.over_limit
+    anomalies = (
+        f"unexpected {sample.unexpected}, over max_attempts {sample.over_attempts},"
+        f" over account limit {sample.over_limit}"
+    )
+    rows.append(("anomalies so far (raw)", Text(anomalies, style="yellow") if raw else anomalies))
     for label, value in rows:
         table.add_row(label, value)
     return table
@@ -268,7 +306,9 @@ def print_line(console: Console) -> Observer:
             f"{escape(f'[{sample.phase:>6}]')} {sample.elapsed:5.1f}s enq={sample.enqueued}"
             f" ({sample.rate:.0f}/s) delivered={sample.delivered_ok}"
             f" done={sample.completed} failed={sample.failed} in_flight={sample.in_flight}"
-            f" queued={sample.queue_depth} repeat_2xx={sample.duplicates}",
+            f" queued={sample.queue_depth} repeat_2xx={sample.duplicates}"
+            f" unexpected={sample.unexpected} over_attempts={sample.over_attempts}"
+            f" over_limit={sample.over_limit}",
             highlight=False,
             soft_wrap=True,
         )

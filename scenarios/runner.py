@@ -496,7 +496,8 @@ def run_scenario(
             allow = (f"{target.host}:{target.port}",)
             config = dataclasses.replace(dispatcher_config(spec, allow), seed=options.seed)
 
-            loop = _SampleLoop(Sampler(run_dir, server.dsn, schema, queue),
+            loop = _SampleLoop(Sampler(run_dir, server.dsn, schema, queue,
+                                       limits=dict(spec.accounts)),
                                SampleWriter(run_dir / SAMPLES_FILE), observer)
             loop.start()
             stack.callback(loop.stop)
