@@ -44,6 +44,17 @@ _META_KEY = b"skiplock.cache"
 
 log = logging.getLogger(__name__)
 
+# Run directories whose writers are known to have stopped (the runner says so when its run
+# has ended): their files cannot change under the reader, so the racy-timestamp rule does not
+# hold back their cache. Process-wide, because the checker reads files in threads.
+_settled_roots: set[Path] = set()
+
+
+def mark_settled(run_dir: Path) -> None:
+    """Declare that nothing writes into `run_dir` any more, so a check run right now may
+    cache what it parses (the next check of the run then reads the columnar copy)."""
+    _settled_roots.add(run_dir.resolve())
+
 
 @dataclass(frozen=True, kw_only=True)
 class Stamp:
@@ -104,7 +115,8 @@ class Entry:
         stamp = self.stamp
         if stamp is None or read_bytes != stamp.size:
             return False
-        if self.looked_up_ns - stamp.mtime_ns < RACY_SECONDS * 1e9:
+        racy = self.looked_up_ns - stamp.mtime_ns < RACY_SECONDS * 1e9
+        if racy and run_root(self.source).resolve() not in _settled_roots:
             return False
         try:
             st = self.source.stat()

@@ -30,6 +30,7 @@ from psycopg import sql
 from queue_impl.dispatcher import DispatcherConfig
 from queue_impl.interface import Account, JobState, JobStatus, QueueBackend
 from queue_impl.plugins import BackendSpec
+from reports import columnar
 from reports.history import (
     ENQUEUES_FILE,
     FINAL_JOBS_FILE,
@@ -568,6 +569,9 @@ def run_scenario(
                 write_spec_json({"phases": phases})
 
     try:
+        # Every writer of the run has stopped: let this first check keep a columnar copy of
+        # what it parses, so `skiplock check RUN_DIR` later reads that instead of the JSON.
+        columnar.mark_settled(run_dir)
         verdict = check_run([run_dir])
     except HistoryError as exc:
         raise HarnessError(f"the run's own history cannot be read: {exc}") from exc

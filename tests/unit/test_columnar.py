@@ -174,6 +174,19 @@ def test_file_just_written_is_not_cached(tmp_path: Path) -> None:
     assert ENQUEUES_FILE + ".arrow" in cached_files(run_dir)
 
 
+def test_settled_run_caches_files_just_written(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # The runner marks its run settled once every writer has stopped: the run's own check
+    # then keeps the columnar copy even though the logs were written a moment ago.
+    monkeypatch.setattr(columnar, "_settled_roots", set())
+    run_dir = anomalous(tmp_path)
+    now = time.time()
+    os.utime(run_dir / DELIVERIES, (now, now))
+    columnar.mark_settled(run_dir)
+    check_run([run_dir])
+    assert DELIVERIES + ".arrow" in cached_files(run_dir)
+
+
 def test_corrupt_cache_is_a_miss_and_is_rewritten(tmp_path: Path) -> None:
     run_dir = anomalous(tmp_path)
     first = check_run([run_dir])
