@@ -24,54 +24,25 @@ from chaos.target import TargetProcess
 from queue_impl.interface import ACCOUNT_HEADER, ATTEMPT_HEADER, JOB_ID_HEADER, WORKER_HEADER
 from reports.history import SUCCEED, write_json
 from reports.selfdescribe import describe
+from scenarios.argtypes import non_negative_float, positive_float, positive_int
 from scenarios.errors import HarnessError, UsageError
-
-
-def _positive_float(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{raw} must be more than 0")
-    return value
-
-
-def _non_negative_float(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{raw} must be 0 or more")
-    return value
-
-
-def _positive_int(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{raw} must be at least 1")
-    return value
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--duration", type=_positive_float, default=10.0, metavar="S",
+        "--duration", type=positive_float, default=10.0, metavar="S",
         help="seconds of measured load (default %(default)g)",
     )  # fmt: skip
     parser.add_argument(
-        "--concurrency", type=_positive_int, default=32, metavar="C",
+        "--concurrency", type=positive_int, default=32, metavar="C",
         help="requests in flight at once, over all load processes (default %(default)d)",
     )  # fmt: skip
     parser.add_argument(
-        "--load-processes", type=_positive_int, default=1, metavar="N",
+        "--load-processes", type=positive_int, default=1, metavar="N",
         help="client processes generating the load (default %(default)d)",
     )  # fmt: skip
     parser.add_argument(
-        "--warmup", type=_non_negative_float, default=1.0, metavar="S",
+        "--warmup", type=non_negative_float, default=1.0, metavar="S",
         help="seconds of load before measuring (default %(default)g)",
     )  # fmt: skip
     parser.add_argument(

@@ -13,27 +13,8 @@ import sys
 from pathlib import Path
 
 from chaos.target import DEFAULT_HANG_CAP_SECONDS, check_host, check_name, serve, url_for
+from scenarios.argtypes import port, positive_float
 from scenarios.errors import UsageError
-
-
-def _port(raw: str) -> int:
-    try:
-        port = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"port {raw!r} is not a number") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port {port} is not in 0-65535")
-    return port
-
-
-def _positive(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{raw} must be more than 0 seconds")
-    return value
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +22,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--host", default="127.0.0.1", help="loopback address to listen on (default 127.0.0.1)"
     )
     parser.add_argument(
-        "--port", type=_port, default=0, help="port to listen on; 0 picks a free one (default)"
+        "--port", type=port, default=0, help="port to listen on; 0 picks a free one (default)"
     )
     parser.add_argument(
         "--name", default="target-0", help="target name, and its log's file name (target-0)"
@@ -54,7 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--hang-cap",
-        type=_positive,
+        type=positive_float,
         default=DEFAULT_HANG_CAP_SECONDS,
         metavar="S",
         help="seconds a hang_forever delivery is held at most (default %(default)g)",

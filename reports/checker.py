@@ -131,10 +131,6 @@ class Verdict:
             return 1
         return 3
 
-    @property
-    def violations(self) -> dict[str, int]:
-        return {k: self.counts[k] for k in VIOLATION_KEYS if self.counts.get(k, 0) > 0}
-
     def to_json(self) -> dict[str, Any]:
         return {
             "valid": self.valid,

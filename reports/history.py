@@ -13,11 +13,11 @@ so a crash loses at most the line being written) except the few written once at 
       nemesis.jsonl        fault events, each with a start and an end
       final_jobs.jsonl     the queue's job states after the drain
       run.json             how the run ended (drain completed or timed out, exit reason)
-      samples.csv          per-second samples; plans/, locust/ as produced
+      samples.csv          per-second samples; locust/ holds Locust's CSV statistics
       verdict.json         written by the checker
 
 Times are wall-clock seconds since the epoch (`time.time()`), comparable across processes on
-one machine. Writers call `append_record`; readers call `read_jsonl`, which refuses a
+one machine. Writers use `JsonlWriter`; readers call `read_jsonl`, which refuses a
 truncated file rather than judging half a history.
 """
 
@@ -48,10 +48,8 @@ NEMESIS_FILE = "nemesis.jsonl"
 FINAL_JOBS_FILE = "final_jobs.jsonl"
 RUN_FILE = "run.json"
 SAMPLES_FILE = "samples.csv"
-PLANS_DIR = "plans"
 LOCUST_DIR = "locust"
 VERDICT_FILE = "verdict.json"
-REPORT_FILE = "report.html"
 
 
 
@@ -295,11 +293,6 @@ class JsonlWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def append_record(path: Path, record: Mapping[str, Any] | Any) -> None:
-    with JsonlWriter(path) as writer:
-        writer.write(record)
 
 
 def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:

@@ -48,10 +48,6 @@ class Oracle:
     max_attempts: int
     outcomes: tuple[Outcome, ...]
 
-    @property
-    def completes(self) -> bool:
-        return self.expected is Expected.COMPLETED
-
 
 def step_outcome(step: Step, http_timeout_seconds: float) -> Outcome:
     """The outcome the dispatcher sees for one delivery answered by `step`."""

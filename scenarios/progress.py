@@ -195,13 +195,6 @@ class Sampler:
         self.last = sample
         return sample
 
-    def live_jobs(self) -> int | None:
-        """Jobs not yet terminal, or None when the queue cannot be asked right now."""
-        counts = self.status_counts()
-        if counts is None:
-            return None
-        return sum(n for s, n in counts.items() if not JobStatus(s).terminal)
-
     def stranded_jobs(self) -> int | None:
         """PROCESSING jobs whose lease has expired: with recovery off, nothing will ever move
         them again. None when the queue's tables cannot be read directly."""
