@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +37,7 @@ from reports.history import (
     WORKERS_DIR,
     write_json,
 )
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from reports.selfdescribe import describe
 
 
 def _line(record: Mapping[str, Any]) -> str:
@@ -298,50 +293,6 @@ def build_synthetic(run_dir: Path, deliveries: int, *, workers: int = 4, account
             mix["duplicate"] += 1
     builder.write(run_dir)
     return {"jobs": job, "deliveries": made, **{f"jobs_{k}": v for k, v in mix.items()}}
-
-
-# --------------------------------------------------------------------------------------------
-# Self-description.
-# --------------------------------------------------------------------------------------------
-
-
-def _git() -> dict[str, Any]:
-    def out(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True,
-                                  text=True, timeout=10, check=False)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    status = out("status", "--porcelain")
-    return {"sha": out("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
-
-
-def _versions() -> dict[str, str | None]:
-    found: dict[str, str | None] = {}
-    for name in ("skiplock", "pandas", "numpy"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
-
-
-def describe() -> dict[str, Any]:
-    return {
-        "machine": {
-            "hostname": platform.node(),
-            "system": platform.system(),
-            "release": platform.release(),
-            "machine": platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        },
-        "python": platform.python_version(),
-        "versions": _versions(),
-        "git": _git(),
-    }
 
 
 # --------------------------------------------------------------------------------------------

@@ -159,5 +159,6 @@ def test_bench_checker_small(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["parameters"]["deliveries"] == 2000
     assert result["valid"] is True
-    assert {"machine", "versions", "git", "seconds"} <= set(result)
-    assert set(result["git"]) == {"sha", "dirty"}
+    assert {"machine", "packages", "git", "seconds"} <= set(result)
+    assert result["packages"]["pandas"] and result["packages"]["pyarrow"]
+    assert {"sha", "dirty"} <= set(result["git"])
