@@ -12,7 +12,15 @@ import signal
 import sys
 from pathlib import Path
 
-from chaos.target import DEFAULT_HANG_CAP_SECONDS, check_host, check_name, serve, url_for
+from chaos.target import (
+    DEFAULT_HANG_CAP_SECONDS,
+    check_host,
+    check_name,
+    deliveries_path,
+    serve,
+    url_for,
+)
+from reports.history import DELIVERIES_DIR, LOG_SUFFIX, HistoryError
 from scenarios.argtypes import port, positive_float
 from scenarios.errors import UsageError
 
@@ -31,7 +39,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=Path("."),
-        help="run directory; deliveries go to OUT/deliveries/NAME.jsonl (default: .)",
+        help=f"run directory; deliveries go to OUT/{DELIVERIES_DIR}/NAME{LOG_SUFFIX} "
+        "(default: .)",
     )
     parser.add_argument(
         "--hang-cap",
@@ -50,13 +59,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     out: Path = args.out
     try:
-        (out / "deliveries").mkdir(parents=True, exist_ok=True)
+        (out / DELIVERIES_DIR).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"cannot create {out / 'deliveries'}: {exc.strerror}") from None
+        raise UsageError(f"cannot create {out / DELIVERIES_DIR}: {exc.strerror}") from None
 
     def on_ready(port: int) -> None:
         print(f"skiplock target {name} listening on {url_for(host, port)}", flush=True)
-        print(f"deliver to {url_for(host, port)}/deliver; log {out}/deliveries/{name}.jsonl")
+        print(f"deliver to {url_for(host, port)}/deliver; log {deliveries_path(out, name)}")
         sys.stdout.flush()
 
     try:
@@ -70,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
                 on_ready=on_ready,
             )
         )
+    except HistoryError as exc:
+        # The log exists with another version's columns; appending would corrupt it.
+        raise UsageError(str(exc)) from None
     except OSError as exc:
         raise UsageError(
             f"cannot listen on {url_for(host, args.port)}: {exc.strerror or exc}; "

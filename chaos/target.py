@@ -1,7 +1,7 @@
 """The duplicate-detecting echo target: the HTTP endpoint every job is delivered to.
 
 It records every request it receives as one `reports.history.Delivery` line in
-`OUT/deliveries/<name>.jsonl`, and does what the job's script (`payload["script"]`, a
+`OUT/deliveries/<name>.csv`, and does what the job's script (`payload["script"]`, a
 `JobScript.to_json()`) says: answer at once, answer a status, answer slowly, answer past the
 dispatcher's timeout, never answer, or reset the connection. A payload without a script
 succeeds.
@@ -13,7 +13,7 @@ is answered or when its client goes away (a dispatcher that timed out no longer 
 
 Records are written with one `write()` each, before the response is sent and without fsync:
 they survive a crash of the target process, not a crash of the machine. The hot path is a dict
-lookup, a JSON dump and one write; asyncio's single thread is the only lock.
+lookup, a CSV line and one write; asyncio's single thread is the only lock.
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ from aiohttp import web
 from queue_impl.interface import ACCOUNT_HEADER, ATTEMPT_HEADER, JOB_ID_HEADER, WORKER_HEADER
 from reports.history import (
     DELIVERIES_DIR,
+    DELIVERY_LOG,
+    LOG_SUFFIX,
     Behaviour,
     Delivery,
     JobScript,
-    JsonlWriter,
+    LogWriter,
     Step,
 )
 
@@ -86,7 +88,7 @@ def url_for(host: str, port: int) -> str:
 
 
 def deliveries_path(out_dir: Path, name: str) -> Path:
-    return out_dir / DELIVERIES_DIR / f"{name}.jsonl"
+    return out_dir / DELIVERIES_DIR / f"{name}{LOG_SUFFIX}"
 
 
 def _int_or_none(raw: str | None) -> int | None:
@@ -196,7 +198,7 @@ class EchoTarget:
         self.name = check_name(name)
         self.hang_cap_seconds = hang_cap_seconds
         self.path = deliveries_path(out_dir, name)
-        self._writer = JsonlWriter(self.path)
+        self._writer = LogWriter(self.path, DELIVERY_LOG)
         self._seen: dict[str, int] = {}
         self._answered_ok: set[str] = set()
         self._in_flight: dict[str, int] = {}

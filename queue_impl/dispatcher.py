@@ -62,7 +62,9 @@ from queue_impl.ssrf import (
 )
 
 # (kind, fields): kinds and fields as `reports.history.WorkerEventKind` documents them.
-# `job_id` and `attempt` are lifted into the record; every other field is its data.
+# `job_id` and `attempt` are lifted into the record; every other field is its data. The
+# worker log is CSV with a column per field (`reports.history.WORKER_LOG`), and it refuses a
+# field it has no column for: a new field needs its column there first.
 EventSink = Callable[[str, Mapping[str, Any]], None]
 
 FailpointName = Literal["crash_after_claim", "crash_after_http"]

@@ -4,7 +4,7 @@ It builds a synthetic run directory with N deliveries and the worker events that
 them (a realistic mix: most jobs succeed at once, some retry with backoff after 503s, a few
 are dead-lettered by a 400, a few succeed twice because a worker's result write was lost),
 then checks it twice and prints the seconds spent loading and judging: a cold check, which
-parses the JSON Lines and writes the columnar cache (`reports.columnar`), and a warm check of
+parses the CSV logs and writes the columnar cache (`reports.columnar`), and a warm check of
 the same history, which reads the cache. The result JSON records both, the cache's size, and
 the machine, versions and git state it was measured on.
 
@@ -29,23 +29,64 @@ from reports import columnar
 from reports.checker import check_run
 from reports.history import (
     DELIVERIES_DIR,
+    DELIVERY_LOG,
+    ENQUEUE_LOG,
     ENQUEUES_FILE,
     FINAL_JOBS_FILE,
+    FINAL_JOBS_LOG,
+    LOG_SUFFIX,
     NEMESIS_FILE,
     RUN_FILE,
     SPEC_FILE,
+    WORKER_LOG,
     WORKERS_DIR,
+    LogFormat,
     write_json,
 )
 from reports.selfdescribe import describe
 
 
-def _line(record: Mapping[str, Any]) -> str:
-    return json.dumps(record, separators=(",", ":"))
+class LineWriter:
+    """`LogFormat.line`, two to three times faster on the plain values the builder's records
+    hold (nulls, numbers, text without separators), which a synthetic history of millions
+    of records is made of. Any other value is written by `LogFormat.line` itself, one column
+    at a time, so every line is byte for byte what `LogFormat.line` writes for the record."""
+
+    def __init__(self, log: LogFormat) -> None:
+        self.log = log
+        self._known = frozenset(log.names)
+        # JSON columns always go the slow way: even a plain string is written as JSON.
+        self._columns = [(name, kind != "json", LogFormat(log.what, ((name, kind),)))
+                         for name, kind in log.columns]
+
+    def line(self, record: Mapping[str, Any]) -> str:
+        flat = self.log.flatten(record) if self.log.flatten else record
+        if not flat.keys() <= self._known:
+            return self.log.line(record)  # raises, naming the fields without a column
+        cells: list[str] = []
+        for name, plain, column in self._columns:
+            value = flat.get(name)
+            if value is None:
+                cells.append("")
+            elif plain and type(value) is str and not (
+                    "," in value or '"' in value or "\n" in value or "\r" in value):
+                cells.append(value)
+            elif plain and (type(value) is int or type(value) is float):
+                cells.append(repr(value))
+            else:
+                cells.append(column.line({name: value})[:-1])
+        return ",".join(cells) + "\n"
+
+
+_ENQUEUE_LINES = LineWriter(ENQUEUE_LOG)
+_DELIVERY_LINES = LineWriter(DELIVERY_LOG)
+_WORKER_LINES = LineWriter(WORKER_LOG)
+_FINAL_LINES = LineWriter(FINAL_JOBS_LOG)
 
 
 class RunBuilder:
-    """Collects the records of a run and writes them as a run directory."""
+    """Collects the records of a run and writes them as a run directory. Each list holds
+    its file's lines as written (after the header), newline included."""
 
     def __init__(
         self,
@@ -94,15 +135,15 @@ class RunBuilder:
     ) -> None:
         """An invoke with the job's oracle, then its answer (None: the producer never
         heard back)."""
-        self.enqueues.append(_line({
+        self.enqueues.append(_ENQUEUE_LINES.line({
             "type": "invoke", "job_id": job_id, "time": time, "process": "producer-0",
             "account": account, "target_url": "http://127.0.0.1:1/deliver",
             "script": None if script is None else dict(script),
             "max_attempts": max_attempts, "run_at": None, "error": None,
         }))
         if answer is not None:
-            # Every field, in EnqueueOp's order, as JsonlWriter writes it.
-            self.enqueues.append(_line({
+            # Every field of EnqueueOp, as the producers' LogWriter writes it.
+            self.enqueues.append(_ENQUEUE_LINES.line({
                 "type": answer, "job_id": job_id, "time": time + 0.001, "process": "producer-0",
                 "account": None, "target_url": None, "script": None, "max_attempts": None,
                 "run_at": None, "error": None if answer == "ok" else "boom",
@@ -123,7 +164,7 @@ class RunBuilder:
     ) -> None:
         seen = self._seen.get(job_id, 0) + 1
         self._seen[job_id] = seen
-        self.deliveries.setdefault(target, []).append(_line({
+        self.deliveries.setdefault(target, []).append(_DELIVERY_LINES.line({
             "job_id": job_id, "attempt": attempt, "account": account, "worker": worker,
             "target": target, "received": received, "answered": answered,
             "status": None if answered is None else status, "behaviour": behaviour,
@@ -132,7 +173,7 @@ class RunBuilder:
 
     def event(self, kind: str, worker: str, time: float, *, job_id: str | None = None,
               attempt: int | None = None, **data: Any) -> None:
-        self.workers.setdefault(worker, []).append(_line({
+        self.workers.setdefault(worker, []).append(_WORKER_LINES.line({
             "kind": kind, "worker": worker, "time": time, "job_id": job_id,
             "attempt": attempt, "data": data,
         }))
@@ -182,14 +223,14 @@ class RunBuilder:
     def fault(self, fault: str, start: float, end: float | None, *, target: str | None = None,
               job_id: str | None = None, attempt: int | None = None,
               skipped: str | None = None) -> None:
-        self.faults.append(_line({
+        self.faults.append(json.dumps({
             "fault": fault, "start": start, "end": end, "target": target, "job_id": job_id,
             "attempt": attempt, "skipped": skipped, "data": {},
-        }))
+        }, separators=(",", ":")) + "\n")
 
     def final(self, job_id: str, status: str, *, attempts: int = 1, max_attempts: int = 3,
               account: str = "acct-0") -> None:
-        self.finals.append(_line({
+        self.finals.append(_FINAL_LINES.line({
             "job_id": job_id, "account_id": account, "status": status, "attempts": attempts,
             "max_attempts": max_attempts, "last_error": None, "locked_until": None,
             "next_attempt_at": None, "extra": {},
@@ -201,24 +242,32 @@ class RunBuilder:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json(run_dir / SPEC_FILE, {"scenario": "synthetic", "seed": 0})
         write_json(run_dir / RUN_FILE, self.run_info)
-        _write_lines(run_dir / ENQUEUES_FILE, self.enqueues)
-        _write_lines(run_dir / FINAL_JOBS_FILE, self.finals)
+        write_log(run_dir / ENQUEUES_FILE, ENQUEUE_LOG, self.enqueues)
+        write_log(run_dir / FINAL_JOBS_FILE, FINAL_JOBS_LOG, self.finals)
         (run_dir / DELIVERIES_DIR).mkdir(exist_ok=True)
         for name, lines in self.deliveries.items():
-            _write_lines(run_dir / DELIVERIES_DIR / f"{name}.jsonl", lines)
+            write_log(run_dir / DELIVERIES_DIR / f"{name}{LOG_SUFFIX}", DELIVERY_LOG, lines)
         (run_dir / WORKERS_DIR).mkdir(exist_ok=True)
         for name, lines in self.workers.items():
-            _write_lines(run_dir / WORKERS_DIR / f"{name}.jsonl", lines)
+            write_log(run_dir / WORKERS_DIR / f"{name}{LOG_SUFFIX}", WORKER_LOG, lines)
         if nemesis:
-            _write_lines(run_dir / NEMESIS_FILE, self.faults)
+            write_log(run_dir / NEMESIS_FILE, None, self.faults)
         return run_dir
 
 
-def _write_lines(path: Path, lines: list[str]) -> None:
+def write_log(path: Path, log: LogFormat | None, lines: list[str]) -> None:
+    """A log as `LogWriter` leaves it: `log`'s header (None: JSON Lines, no header), then
+    `lines`, each ending in a newline."""
     with path.open("w") as fh:
-        if lines:
-            fh.write("\n".join(lines))
-            fh.write("\n")
+        if log is not None:
+            fh.write(log.header())
+        fh.writelines(lines)
+
+
+def history_files(run_dir: Path) -> list[Path]:
+    """The logs of a run directory (CSV and JSON Lines), not its cache."""
+    return [p for p in run_dir.rglob("*") if p.is_file() and p.suffix in (LOG_SUFFIX, ".jsonl")
+            and columnar.CACHE_DIR not in p.relative_to(run_dir).parts]
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,7 +363,7 @@ def _wait_until_cacheable(run_dir: Path) -> float:
     """A file written less than `RACY_SECONDS` before it is read is not cached (it may
     still be changing); wait until the history just built is that old, as any history is
     when it is checked again later. Returns the seconds waited."""
-    newest = max(p.stat().st_mtime for p in run_dir.rglob("*.jsonl"))
+    newest = max(p.stat().st_mtime for p in history_files(run_dir))
     wait = max(0.0, newest + columnar.RACY_SECONDS + 0.1 - time.time())
     time.sleep(wait)
     return wait
@@ -340,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         mix = build_synthetic(run_dir, args.deliveries, seed=args.seed)
         built = time.perf_counter() - t0
-        size = sum(p.stat().st_size for p in run_dir.rglob("*.json*") if p.is_file())
+        size = sum(p.stat().st_size for p in history_files(run_dir))
         # A kept directory may hold the cache of an earlier build: start cold.
         shutil.rmtree(run_dir / columnar.CACHE_DIR, ignore_errors=True)
         _wait_until_cacheable(run_dir)
@@ -349,9 +398,9 @@ def run(args: argparse.Namespace) -> int:
         cache_files = sum(1 for p in (run_dir / columnar.CACHE_DIR).rglob("*" + columnar.SUFFIX))
         warm = check_run([run_dir])
     print(f"history: {mix['deliveries']} deliveries, {mix['jobs']} jobs, "
-          f"{warm.details.get('worker_events', 0)} worker events, {size / 1e6:.0f} MB of JSON "
+          f"{warm.details.get('worker_events', 0)} worker events, {size / 1e6:.0f} MB of logs "
           f"(built in {built:.1f}s)")
-    _print_timings("cold check (parses the JSON Lines, writes the columnar cache):",
+    _print_timings("cold check (parses the CSV logs, writes the columnar cache):",
                    cold.timings)
     print(f"cache: {cache_files} files, {cache_size / 1e6:.0f} MB")
     _print_timings("warm check (the same history again, read from the cache):", warm.timings)
@@ -363,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
         "parameters": {"deliveries": args.deliveries, "seed": args.seed},
         "history": {**mix, "bytes": size,
                     "worker_events": warm.details.get("worker_events")},
-        # cold: the first check, parsing JSON and writing the cache; warm: a check of the
+        # cold: the first check, parsing the logs and writing the cache; warm: a check of the
         # already-read history, from the cache.
         "seconds": {"cold": cold.timings, "warm": warm.timings},
         "cache": {"bytes": cache_size, "files": cache_files,

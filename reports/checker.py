@@ -1,15 +1,19 @@
 """The checker: judge a run directory from its history alone and write `verdict.json`.
 
-Reading. The first run directory must hold `spec.json`, `run.json`, `enqueues.jsonl`,
-`final_jobs.jsonl`, a `deliveries/` directory and a `workers/` directory; `nemesis.jsonl` is
-optional (absent or empty: no fault ran). Further directories add their `deliveries/*.jsonl`,
-`workers/*.jsonl` and `nemesis.jsonl` (targets and workers on other machines). A file cut off
-mid-line makes the answer "unknown" rather than judging half a history; a line that is not
-JSON, or a record without its required fields, is bad input (`HistoryError`). Further
-directories may also hold an `enqueues.jsonl` (producers on other machines). When run.json
-records `final_jobs` (the rows the runner's snapshot had) and `final_jobs.jsonl` holds a
-different number, the answer is "unknown"; an acknowledged job with no final row is a
-state mismatch when the snapshot is known to be whole, else it makes the answer "unknown".
+Reading. The first run directory must hold `spec.json`, `run.json`, `enqueues.csv`,
+`final_jobs.csv`, a `deliveries/` directory and a `workers/` directory; `nemesis.jsonl` is
+optional (absent or empty: no fault ran). Further directories add their `deliveries/*.csv`,
+`workers/*.csv` and `nemesis.jsonl` (targets and workers on other machines), and may hold an
+`enqueues.csv` (producers on other machines). The CSV logs are read by their header's column
+names (`reports.history`): columns the checker does not read are ignored, and a file cut off
+mid-line makes the answer "unknown" rather than judging half a history. A malformed line (a
+wrong number of fields, a number column that holds something else, JSON that is not an
+object in nemesis.jsonl), a first line that is no header, a header without a column the
+checker needs, or a record without its required values is bad input (`HistoryError`, naming
+the file and line). When run.json records `final_jobs` (the rows the runner's snapshot had)
+and `final_jobs.csv` holds a different number, the answer is "unknown"; an acknowledged job
+with no final row is a state mismatch when the snapshot is known to be whole, else it makes
+the answer "unknown".
 
 Judging. Each job's oracle (`reports.oracle`) comes from its enqueue (script, max_attempts,
 account) and the run's configuration; the target's log says what was really delivered. The
@@ -26,12 +30,13 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -39,6 +44,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa  # type: ignore[import-untyped]
 import pyarrow.compute as pc  # type: ignore[import-untyped]
+import pyarrow.csv as pacsv  # type: ignore[import-untyped]
 import pyarrow.json as pajson  # type: ignore[import-untyped]
 
 from queue_impl.interface import JobStatus
@@ -46,14 +52,23 @@ from queue_impl.retry import RetryPolicy
 from reports import columnar
 from reports.history import (
     DELIVERIES_DIR,
+    DELIVERY_LOG,
+    ENQUEUE_LOG,
     ENQUEUES_FILE,
     FINAL_JOBS_FILE,
+    FINAL_JOBS_LOG,
+    LOG_SUFFIX,
     NEMESIS_FILE,
     RUN_FILE,
     SPEC_FILE,
     VERDICT_FILE,
+    WORKER_LOG,
     WORKERS_DIR,
+    ColumnKind,
     HistoryError,
+    LogFormat,
+    parse_header,
+    parse_row,
     read_json,
     write_json,
 )
@@ -150,46 +165,109 @@ def write_verdict(run_dir: Path, verdict: Verdict) -> Path:
 
 
 # --------------------------------------------------------------------------------------------
-# Reading: JSON Lines through Arrow's reader, files in parallel; line by line only to name
-# a bad line.
+# Reading: the CSV logs (and nemesis.jsonl) through Arrow's readers, files in parallel; line
+# by line only to name a bad line.
 # --------------------------------------------------------------------------------------------
 
 _BLOCK_BYTES = 8 << 20  # Arrow parses a file in blocks; a line must fit in one
+_ARROW_TYPES: dict[ColumnKind, pa.DataType] = {"str": pa.string(), "num": pa.float64(),
+                                               "bool": pa.bool_()}
+
+
+@dataclass(frozen=True)
+class _Source:
+    """How the checker reads one kind of history file. `schema` holds the columns it reads
+    (and caches); `shape` holds them as the judge's tables do, a record's nested objects as
+    struct columns, which `nest` builds from a CSV log's flat columns. `log` is the CSV log
+    narrowed to the columns read (None: JSON Lines); a CSV header without a `required`
+    column is bad input. `filled` is a required column that every record has a value in:
+    Arrow reads a blank line as a record of nulls, so a null there sends the file to the
+    line-by-line reader, which skips blank lines and names a bad record's line."""
+
+    schema: pa.Schema
+    shape: pa.Schema
+    log: LogFormat | None = None
+    required: tuple[str, ...] = ()
+    filled: str | None = None
+    nest: Callable[[pa.RecordBatch], pa.RecordBatch] | None = None
+
+    @property
+    def header_lines(self) -> int:
+        return 0 if self.log is None else 1
+
+
+def _csv_source(log: LogFormat, names: Sequence[str], *, required: tuple[str, ...],
+                filled: str,
+                nest: Callable[[pa.RecordBatch], pa.RecordBatch] | None = None) -> _Source:
+    # Narrowed, so that the slow path, like Arrow, never parses a column nothing reads.
+    read = replace(log, columns=tuple(c for c in log.columns if c[0] in names))
+    schema = pa.schema([(name, _ARROW_TYPES[kind]) for name, kind in read.columns])
+    shape = schema if nest is None else nest(pa.RecordBatch.from_pylist([], schema)).schema
+    return _Source(schema=schema, shape=shape, log=read, required=required, filled=filled,
+                   nest=nest)
+
 
 _STEP = pa.struct([("behaviour", pa.string()), ("status", pa.float64()),
                    ("seconds", pa.float64())])
-_ENQUEUE_SCHEMA = pa.schema([
-    ("type", pa.string()), ("job_id", pa.string()), ("account", pa.string()),
-    ("max_attempts", pa.float64()),
-    ("script", pa.struct([("name", pa.string()), ("first", _STEP), ("times", pa.float64()),
-                          ("then", _STEP)])),
-])
-_DELIVERY_SCHEMA = pa.schema([
-    ("job_id", pa.string()), ("attempt", pa.float64()), ("account", pa.string()),
-    ("worker", pa.string()), ("target", pa.string()), ("received", pa.float64()),
-    ("answered", pa.float64()), ("status", pa.float64()), ("behaviour", pa.string()),
-])
+_SCRIPT = pa.struct([("name", pa.string()), ("first", _STEP), ("times", pa.float64()),
+                     ("then", _STEP)])
+_ENQUEUE_BASE = ("type", "job_id", "account", "max_attempts")
 
 
-def _event_schema(locked_until: pa.DataType) -> pa.Schema:
-    # `started` (write: when the statement was sent) and `end` (http: when the call ended)
-    # time what the worker did; `outcome` says what a write recorded.
-    data = pa.struct([("result", pa.string()), ("name", pa.string()), ("lost", pa.bool_()),
-                      ("locked_until", locked_until), ("error", pa.string()),
-                      ("reason", pa.string()), ("outcome", pa.string()),
-                      ("started", pa.float64()), ("end", pa.float64())])
-    return pa.schema([("kind", pa.string()), ("worker", pa.string()), ("time", pa.float64()),
-                      ("job_id", pa.string()), ("attempt", pa.float64()), ("data", data)])
+def _nest_script(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """The script columns of enqueues as one struct column: null without a first step, a
+    step null without its behaviour, as `reports.history.read_log` reads them back."""
+
+    def step(part: str) -> pa.StructArray:
+        behaviour = batch.column(f"{part}_behaviour")
+        return pa.StructArray.from_arrays(
+            [behaviour, batch.column(f"{part}_status"), batch.column(f"{part}_seconds")],
+            fields=list(_STEP), mask=behaviour.is_null())
+
+    script = pa.StructArray.from_arrays(
+        [batch.column("script_name"), step("first"), batch.column("script_times"),
+         step("then")],
+        fields=list(_SCRIPT), mask=batch.column("first_behaviour").is_null())
+    return pa.RecordBatch.from_arrays([*(batch.column(n) for n in _ENQUEUE_BASE), script],
+                                      names=[*_ENQUEUE_BASE, "script"])
 
 
-# The dispatcher writes lease ends as ISO text, the synthetic histories as epoch seconds.
-_EVENT_SCHEMAS = (_event_schema(pa.string()), _event_schema(pa.float64()))
+# The fields of a worker event the judge reads besides its kind, time, job and attempt.
+# `started` (write: when the statement was sent) and `end` (http: when the call ended) time
+# what the worker did; `outcome` says what a write recorded. The lease end the queue
+# reported (`locked_until`) is never used: leases run the configured length.
+_EVENT_DATA = ("result", "name", "lost", "error", "reason", "outcome", "started", "end")
+_EVENT_BASE = ("kind", "worker", "time", "job_id", "attempt")
+
+
+def _nest_event_data(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A worker event's own fields as one struct column `data`, as they were written."""
+    data = pa.StructArray.from_arrays([batch.column(n) for n in _EVENT_DATA],
+                                      names=list(_EVENT_DATA))
+    return pa.RecordBatch.from_arrays([*(batch.column(n) for n in _EVENT_BASE), data],
+                                      names=[*_EVENT_BASE, "data"])
+
+
+_ENQUEUES = _csv_source(
+    ENQUEUE_LOG, (*_ENQUEUE_BASE, "script_name", "script_times", "first_behaviour",
+                  "first_status", "first_seconds", "then_behaviour", "then_status",
+                  "then_seconds"),
+    required=("type", "job_id"), filled="type", nest=_nest_script)
+_DELIVERIES = _csv_source(
+    DELIVERY_LOG, ("job_id", "attempt", "account", "worker", "target", "received", "answered",
+                   "status", "behaviour"),
+    required=("job_id", "received"), filled="received")
+_EVENTS = _csv_source(
+    WORKER_LOG, (*_EVENT_BASE, *_EVENT_DATA),
+    required=("kind", "time"), filled="time", nest=_nest_event_data)
+_FINAL = _csv_source(FINAL_JOBS_LOG, ("job_id", "status"), required=("job_id", "status"),
+                     filled="status")
 _FAULT_SCHEMA = pa.schema([
     ("fault", pa.string()), ("start", pa.float64()), ("end", pa.float64()),
     ("target", pa.string()), ("job_id", pa.string()), ("attempt", pa.float64()),
     ("skipped", pa.string()),
 ])
-_FINAL_SCHEMA = pa.schema([("job_id", pa.string()), ("status", pa.string())])
+_FAULTS = _Source(schema=_FAULT_SCHEMA, shape=_FAULT_SCHEMA)
 
 
 def _without_nulls(value: Any) -> Any:
@@ -202,8 +280,9 @@ def _without_nulls(value: Any) -> Any:
 
 @dataclass
 class _Nested:
-    """A column of JSON objects: Arrow struct columns (one per file, parsed on demand) or,
-    for a file read line by line, Python values."""
+    """A column of objects (an enqueue's script, a worker event's data): Arrow struct
+    columns (one per file, converted on demand) or, for a file read line by line, Python
+    values."""
 
     parts: list[pa.ChunkedArray | list[Any]]
     starts: np.ndarray  # first row of each part
@@ -249,10 +328,11 @@ class _Part:
     columns: dict[str, np.ndarray]
     job_id: pa.ChunkedArray
     nested: dict[str, pa.ChunkedArray | list[Any]]
+    header_lines: int  # lines before the first record
     lines: list[int] | None = None  # line of each row, when blank lines were skipped
 
 
-def _parse_slow(path: Path, data: bytes) -> tuple[list[dict[str, Any]], list[int]]:
+def _parse_json_slow(path: Path, data: bytes) -> tuple[list[dict[str, Any]], list[int]]:
     """Line by line, to name the first bad line; the records and their line numbers."""
     rows: list[dict[str, Any]] = []
     numbers: list[int] = []
@@ -271,6 +351,24 @@ def _parse_slow(path: Path, data: bytes) -> tuple[list[dict[str, Any]], list[int
     return rows, numbers
 
 
+def _parse_csv_slow(path: Path, data: bytes, names: Sequence[str],
+                    log: LogFormat) -> tuple[list[dict[str, Any]], list[int]]:
+    """The data lines (after the header) one by one, to name the first bad line; the
+    records, nested as they were written, and their line numbers."""
+    rows: list[dict[str, Any]] = []
+    numbers: list[int] = []
+    for number, raw in enumerate(data.split(b"\n")[1:], start=2):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode()
+        except UnicodeDecodeError:
+            raise HistoryError(f"{path}:{number} is not UTF-8") from None
+        rows.append(parse_row(path, number, line, names, log))
+        numbers.append(number)
+    return rows, numbers
+
+
 def _strings(column: pa.ChunkedArray) -> np.ndarray:
     """An Arrow string column (of few distinct values) as an object array of str / None,
     through its dictionary so that each string object is made once."""
@@ -282,7 +380,7 @@ def _strings(column: pa.ChunkedArray) -> np.ndarray:
     return cast(np.ndarray, labels[codes])
 
 
-def _arrow_part(path: Path, table: pa.Table, truncated: bool) -> _Part:
+def _arrow_part(path: Path, table: pa.Table, truncated: bool, source: _Source) -> _Part:
     columns: dict[str, np.ndarray] = {}
     nested: dict[str, pa.ChunkedArray | list[Any]] = {}
     for f in table.schema:
@@ -294,14 +392,15 @@ def _arrow_part(path: Path, table: pa.Table, truncated: bool) -> _Part:
         elif f.name != "job_id":
             columns[f.name] = _strings(column)
     return _Part(path=path, rows=table.num_rows, typed=True, truncated=truncated,
-                 columns=columns, job_id=table.column("job_id"), nested=nested)
+                 columns=columns, job_id=table.column("job_id"), nested=nested,
+                 header_lines=source.header_lines)
 
 
 def _python_part(path: Path, rows: list[dict[str, Any]], lines: list[int],
-                 schema: pa.Schema, truncated: bool) -> _Part:
+                 source: _Source, truncated: bool) -> _Part:
     columns: dict[str, np.ndarray] = {}
     nested: dict[str, pa.ChunkedArray | list[Any]] = {}
-    for f in schema:
+    for f in source.shape:
         if pa.types.is_struct(f.type):
             nested[f.name] = [r.get(f.name) for r in rows]
         elif f.name != "job_id":
@@ -312,49 +411,120 @@ def _python_part(path: Path, rows: list[dict[str, Any]], lines: list[int],
     job_id = pa.chunked_array([pa.array([v if type(v) is str else None for v in ids],
                                         pa.string())])
     return _Part(path=path, rows=len(rows), typed=False, truncated=truncated,
-                 columns=columns, job_id=job_id, nested=nested, lines=lines)
+                 columns=columns, job_id=job_id, nested=nested,
+                 header_lines=source.header_lines, lines=lines)
 
 
-def _read_part(path: Path, schemas: Sequence[pa.Schema]) -> _Part:
-    cache = columnar.lookup(path, schemas)
+def _shaped(table: pa.Table, source: _Source) -> pa.Table:
+    """A table of the columns read (`source.schema`) as the judge holds it (`shape`)."""
+    if source.nest is None:
+        return table
+    return pa.Table.from_batches([source.nest(b) for b in table.to_batches()], source.shape)
+
+
+def _unescaped(table: pa.Table) -> pa.Table:
+    """The text columns with the line breaks a writer wrote as `\\n` restored."""
+    for i, f in enumerate(table.schema):
+        if pa.types.is_string(f.type):
+            table = table.set_column(i, f, pc.replace_substring(table.column(i), "\\n", "\n"))
+    return table
+
+
+def _csv_header(path: Path, data: bytes | mmap.mmap, source: _Source) -> list[str]:
+    """The column names of a CSV log (whose first line is whole); a HistoryError when its
+    first line is no header of this log or lacks a column the checker needs."""
+    try:
+        header = data[: data.find(b"\n")].decode()
+    except UnicodeDecodeError:
+        raise HistoryError(f"{path}:1 is not UTF-8") from None
+    names = parse_header(path, header, cast(LogFormat, source.log))
+    missing = [name for name in source.required if name not in names]
+    if missing:
+        raise HistoryError(f"{path}:1: the header has no {missing[0]} column; "
+                           f"the checker needs {', '.join(source.required)}")
+    return names
+
+
+def _read_csv(data: bytes | mmap.mmap, end: int, source: _Source) -> pa.Table | None:
+    """The columns of a CSV log's first `end` bytes, parsed by Arrow, a row per line; None
+    when Arrow cannot parse them, or they hold a blank line (or a record without its
+    `filled` value)."""
+    try:
+        table = pacsv.read_csv(
+            pa.BufferReader(pa.py_buffer(memoryview(data)[:end])),
+            read_options=pacsv.ReadOptions(block_size=_BLOCK_BYTES),
+            parse_options=pacsv.ParseOptions(ignore_empty_lines=False),
+            convert_options=pacsv.ConvertOptions(
+                column_types=source.schema, include_columns=source.schema.names,
+                include_missing_columns=True,
+                # Only an empty field is null, and only `true` / `false` are booleans, as
+                # in `reports.history.parse_cell`.
+                null_values=[""], strings_can_be_null=True,
+                true_values=["true"], false_values=["false"]),
+        )
+    except (pa.ArrowInvalid, UnicodeDecodeError):
+        return None
+    if table.column(source.filled).null_count:
+        return None
+    # A writer escapes a line break in a text field as `\n`. Few fields ever hold one, and
+    # looking for a backslash is ten times faster than looking for the pair.
+    escaped = data.find(b"\\", 0, end) >= 0 and data.find(b"\\n", 0, end) >= 0
+    return _unescaped(table) if escaped else table
+
+
+def _read_jsonl(data: bytes, source: _Source) -> pa.Table | None:
+    """A JSON Lines file parsed by Arrow; None when Arrow cannot parse it, or it holds
+    blank lines or two objects on a line (rows would not be lines)."""
+    try:
+        table = pajson.read_json(
+            pa.BufferReader(pa.py_buffer(data)),
+            read_options=pajson.ReadOptions(block_size=_BLOCK_BYTES),
+            parse_options=pajson.ParseOptions(explicit_schema=source.schema,
+                                              unexpected_field_behavior="ignore"),
+        )
+    except (pa.ArrowInvalid, UnicodeDecodeError):
+        return None
+    return table if table.num_rows == data.count(b"\n") else None
+
+
+def _read_part(path: Path, source: _Source) -> _Part:
+    cache = columnar.lookup(path, (source.schema,))
     if cache.table is not None:
-        return _arrow_part(path, cache.table, False)
-    data = path.read_bytes()
-    truncated = bool(data) and not data.endswith(b"\n")
-    if truncated:
-        # Cut off mid-write: judge the complete lines, answer "unknown".
-        data = data[: data.rfind(b"\n") + 1]
-    if not data:
-        return _arrow_part(path, schemas[0].empty_table(), truncated)
-    lines = data.count(b"\n")
-    for schema in schemas:
-        try:
-            table = pajson.read_json(
-                pa.BufferReader(pa.py_buffer(data)),
-                read_options=pajson.ReadOptions(block_size=_BLOCK_BYTES),
-                parse_options=pajson.ParseOptions(explicit_schema=schema,
-                                                  unexpected_field_behavior="ignore"),
-            )
-        except (pa.ArrowInvalid, UnicodeDecodeError):
-            continue
-        # Blank lines or two objects on a line would shift line numbers: read those slowly.
-        if table.num_rows == lines:
-            if not truncated:
-                cache.store(table, read_bytes=len(data))
-            return _arrow_part(path, table, truncated)
-    return _python_part(path, *_parse_slow(path, data), schemas[0], truncated)
+        return _arrow_part(path, _shaped(cache.table, source), False, source)
+    data: bytes | mmap.mmap = b""
+    with path.open("rb") as fh:
+        if os.fstat(fh.fileno()).st_size:
+            # Mapped rather than read: Arrow parses the CSV logs where they lie in the page
+            # cache, without a copy of each file.
+            data = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    # A file cut off mid-write is judged on its complete lines, and the answer is "unknown".
+    end = data.rfind(b"\n") + 1
+    truncated = end < len(data)
+    if not end:
+        return _arrow_part(path, source.shape.empty_table(), truncated, source)
+    # Blank lines or two records on a line make Arrow's rows differ from the lines: such a
+    # file, or one Arrow cannot parse, is read line by line, to name the line at fault.
+    names = None if source.log is None else _csv_header(path, data, source)
+    table = _read_jsonl(data[:end], source) if names is None else _read_csv(data, end, source)
+    if table is not None:
+        if not truncated:
+            cache.store(table, read_bytes=end)
+        return _arrow_part(path, _shaped(table, source), truncated, source)
+    rows, lines = (_parse_json_slow(path, data[:end]) if names is None
+                   else _parse_csv_slow(path, data[:end], names, cast(LogFormat, source.log)))
+    return _python_part(path, rows, lines, source, truncated)
 
 
-def _read_parts(jobs: Sequence[tuple[Path, Sequence[pa.Schema]]]) -> list[_Part]:
+def _read_parts(jobs: Sequence[tuple[Path, _Source]]) -> list[_Part]:
     """Every file, read in parallel (Arrow parses without the GIL), in the given order."""
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        futures = [pool.submit(_read_part, path, schemas) for path, schemas in jobs]
+        futures = [pool.submit(_read_part, path, source) for path, source in jobs]
         return [f.result() for f in futures]
 
 
 @dataclass
 class _Table:
-    """Columns read from one or more JSON Lines files, with where each row came from."""
+    """Columns read from one or more files of one kind, with where each row came from."""
 
     columns: dict[str, np.ndarray]
     job_id: pa.ChunkedArray
@@ -362,15 +532,16 @@ class _Table:
     typed: bool  # every file went through Arrow
     source: list[str]  # file per file appended
     rows_per_file: list[int]
+    header_lines: list[int]  # per file: lines before the first record
     lines: list[list[int] | None]  # per file: line of each row (None: rows are lines)
 
     def where(self, row: int) -> str:
         """"file:line" of a row."""
         offset = row
-        for name, count, lines in zip(self.source, self.rows_per_file, self.lines,
-                                      strict=True):
+        for name, count, header, lines in zip(self.source, self.rows_per_file,
+                                              self.header_lines, self.lines, strict=True):
             if offset < count:
-                return f"{name}:{1 + offset if lines is None else lines[offset]}"
+                return f"{name}:{header + 1 + offset if lines is None else lines[offset]}"
             offset -= count
         return "?"
 
@@ -392,11 +563,10 @@ class _Table:
             raise HistoryError(f"{self.where(row)}: {what} field {key} is not a number")
         return array
 
-    def require_str(self, key: str, what: str, *, allow_empty: bool = False) -> None:
+    def require_str(self, key: str, what: str) -> None:
         if key == "job_id":
             # Anything but a string was read as null.
-            missing = (pc.is_null(self.job_id) if allow_empty
-                       else pc.or_kleene(pc.is_null(self.job_id), pc.equal(self.job_id, "")))
+            missing = pc.or_kleene(pc.is_null(self.job_id), pc.equal(self.job_id, ""))
             bad = np.flatnonzero(missing.to_numpy(zero_copy_only=False))
         elif self.typed:
             values = self.columns[key]
@@ -431,7 +601,7 @@ def _table(parts: Sequence[_Part], schema: pa.Schema) -> _Table:
     return _Table(columns=columns, job_id=job_id, nested=nested,
                   typed=all(p.typed for p in parts),
                   source=[str(p.path) for p in parts], rows_per_file=counts,
-                  lines=[p.lines for p in parts])
+                  header_lines=[p.header_lines for p in parts], lines=[p.lines for p in parts])
 
 
 def _data(value: Any) -> dict[str, Any]:
@@ -445,14 +615,21 @@ def _script_codes(table: _Table, rows: np.ndarray) -> tuple[np.ndarray, list[Any
         # Equal scripts have equal codes in every leaf (and in whether each object is there).
         parts = [cast(pa.ChunkedArray, part) for part in nested.parts]
         column = pa.chunked_array([c for part in parts for c in part.chunks],
-                                  parts[0].type).combine_chunks()
+                                  parts[0].type).combine_chunks().take(pa.array(rows))
         leaves = [column.is_valid(), *_leaves(column)]
         code = np.zeros(len(rows), dtype=np.int64)
+        bound = 1  # every code is below it
         for leaf in leaves:
             encoded = leaf.dictionary_encode()
             width = len(encoded.dictionary) + 1
-            level = encoded.indices.fill_null(width - 1).to_numpy()[rows].astype(np.int64)
-            code = pd.factorize(code * width + level)[0].astype(np.int64)
+            if bound * width > 1 << 62:
+                # Renumber only when the next leaf could overflow: few scripts, few leaves.
+                code = pd.factorize(code)[0].astype(np.int64)
+                bound = int(code.max()) + 1
+            level = encoded.indices.fill_null(width - 1).to_numpy().astype(np.int64)
+            code = code * width + level
+            bound *= width
+        code = pd.factorize(code)[0].astype(np.int64)
     else:
         keys = [_script_key(s) for s in nested.pick(rows)]
         code = pd.factorize(pd.Series(keys, dtype=object), use_na_sentinel=False)[0]
@@ -550,8 +727,8 @@ def _run_config(path: Path, spec: dict[str, Any] | None = None) -> RunConfig:
     )
 
 
-def _jsonl_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.glob("*.jsonl") if p.is_file())
+def _log_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("*" + LOG_SUFFIX) if p.is_file())
 
 
 @dataclass
@@ -613,26 +790,26 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     spec = read_json(main / SPEC_FILE)
     config = _run_config(main / RUN_FILE, spec)
     delivery_files = [p for d in dirs if (d / DELIVERIES_DIR).is_dir()
-                      for p in _jsonl_files(d / DELIVERIES_DIR)]
+                      for p in _log_files(d / DELIVERIES_DIR)]
     worker_files = [p for d in dirs if (d / WORKERS_DIR).is_dir()
-                    for p in _jsonl_files(d / WORKERS_DIR)]
+                    for p in _log_files(d / WORKERS_DIR)]
     nemesis_files = [d / NEMESIS_FILE for d in dirs if (d / NEMESIS_FILE).is_file()]
-    # Producers on other machines write their own enqueues.jsonl: merged like the rest.
+    # Producers on other machines write their own enqueues.csv: merged like the rest.
     enqueue_files = [main / ENQUEUES_FILE,
                      *(d / ENQUEUES_FILE for d in dirs[1:] if (d / ENQUEUES_FILE).is_file())]
-    kinds: list[tuple[list[Path], Sequence[pa.Schema]]] = [
-        (enqueue_files, (_ENQUEUE_SCHEMA,)),
-        (delivery_files, (_DELIVERY_SCHEMA,)),
-        (worker_files, _EVENT_SCHEMAS),
-        (nemesis_files, (_FAULT_SCHEMA,)),
-        ([main / FINAL_JOBS_FILE], (_FINAL_SCHEMA,)),
+    kinds: list[tuple[list[Path], _Source]] = [
+        (enqueue_files, _ENQUEUES),
+        (delivery_files, _DELIVERIES),
+        (worker_files, _EVENTS),
+        (nemesis_files, _FAULTS),
+        ([main / FINAL_JOBS_FILE], _FINAL),
     ]
-    read = _read_parts([(p, schemas) for paths, schemas in kinds for p in paths])
+    read = _read_parts([(p, source) for paths, source in kinds for p in paths])
     files = [str(main / SPEC_FILE), str(main / RUN_FILE), *(str(p.path) for p in read)]
     truncated = [str(p.path) for p in read if p.truncated]
     parts = iter(read)
-    enq, dl, ev, nem, fin = (_table([next(parts) for _ in paths], schemas[0])
-                             for paths, schemas in kinds)
+    enq, dl, ev, nem, fin = (_table([next(parts) for _ in paths], source.shape)
+                             for paths, source in kinds)
 
     # Enqueues: the job universe and each job's oracle inputs.
     enq.require_str("type", "enqueue")
@@ -643,9 +820,8 @@ def _load(run_dirs: Sequence[Path]) -> _History:
         row = int(np.flatnonzero(bad_type.to_numpy())[0])
         raise HistoryError(f"{enq.where(row)}: enqueue type {types[row]!r} is not "
                            "invoke, ok, fail or info")
-    # The target records a request without the job id header with job_id "": judged as an
+    # A request without the job id header has an empty job_id, read as null: judged as an
     # unexpected delivery, not as an unreadable history.
-    dl.require_str("job_id", "delivery", allow_empty=True)
     fin.require_str("job_id", "final job state")
     # Job ids are only compared, never read: one dictionary over every file's ids turns
     # them into codes without making a Python string per row.
@@ -1131,7 +1307,7 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
     known = ~unknown_job
     failed_enqueue[known] = acked[d["job"].to_numpy()[known]] == -1
     for rec in _records(d[unknown_job | failed_enqueue]):
-        if rec["job_id"] == "":
+        if not rec["job_id"]:
             found.add("unexpected", "", f"a request without a job id header at "
                       f"{_fmt(rec['received'])} (target {rec['target']})")
             continue
@@ -1538,7 +1714,7 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
 
 
 def _floats(values: np.ndarray) -> np.ndarray:
-    """An object array of JSON values as float64: NaN for anything but a number."""
+    """An object array of values as read as float64: NaN for anything but a number."""
     if values.dtype == np.float64:
         return values
     return np.array([float(v) if isinstance(v, int | float) and not isinstance(v, bool)

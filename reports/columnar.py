@@ -1,11 +1,12 @@
-"""A columnar cache of the JSON Lines files the checker has parsed.
+"""A columnar cache of the history files the checker has parsed.
 
-JSON Lines stays the run directory's contract: many processes append to it and a crash
-loses at most the last line. Parsing it is what makes a check slow (a million deliveries
-are about 1.5 GB of JSON), so the checker keeps each file it parsed completely and cleanly
-as an Arrow IPC file (Feather v2, uncompressed: read through a memory map it costs next to
-nothing) under `RUN_DIR/.cache/`, mirroring the file's path in the run directory:
-`RUN_DIR/workers/worker-0.jsonl` is cached as `RUN_DIR/.cache/workers/worker-0.jsonl.arrow`.
+The CSV logs (and nemesis.jsonl) stay the run directory's contract: many processes append to
+them and a crash loses at most the last line. Parsing them is most of what a check costs (a
+million deliveries are about 740 MB of CSV), so the checker keeps the columns it read from
+each file it parsed completely and cleanly as an Arrow IPC file (Feather v2, uncompressed:
+read through a memory map it costs next to nothing) under `RUN_DIR/.cache/`, mirroring the
+file's path in the run directory: `RUN_DIR/workers/worker-0.csv` is cached as
+`RUN_DIR/.cache/workers/worker-0.csv.arrow`.
 
 A cache file is used only when the size and modification time it records are those of the
 source file now, and it was written by this format version for the same candidate schemas;

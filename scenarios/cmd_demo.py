@@ -66,15 +66,22 @@ def latencies(run_dir: Path, http_timeout: float) -> dict[str, float | None]:
     delivery it answered 2xx within the HTTP timeout (a later 2xx reached nobody)."""
     import pandas as pd
 
-    from reports.history import DELIVERIES_DIR, ENQUEUES_FILE, read_jsonl
+    from reports.history import (
+        DELIVERIES_DIR,
+        DELIVERY_LOG,
+        ENQUEUE_LOG,
+        ENQUEUES_FILE,
+        LOG_SUFFIX,
+        read_log,
+    )
 
     enq = pd.DataFrame(
-        [r for r in read_jsonl(run_dir / ENQUEUES_FILE) if r.get("type") == "ok"],
+        [r for r in read_log(run_dir / ENQUEUES_FILE, ENQUEUE_LOG) if r.get("type") == "ok"],
         columns=["job_id", "time"],
     ).drop_duplicates("job_id")
     rows: list[dict[str, Any]] = []
-    for path in sorted((run_dir / DELIVERIES_DIR).glob("*.jsonl")):
-        rows.extend(read_jsonl(path))
+    for path in sorted((run_dir / DELIVERIES_DIR).glob(f"*{LOG_SUFFIX}")):
+        rows.extend(read_log(path, DELIVERY_LOG))
     dels = pd.DataFrame(rows, columns=["job_id", "received", "answered", "status"])
     dels = dels.dropna(subset=["answered", "status"])
     ok = dels[(dels["status"] >= 200) & (dels["status"] < 300)

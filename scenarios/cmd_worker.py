@@ -30,6 +30,7 @@ from queue_impl.dispatcher import (
     validate_worker_count,
 )
 from queue_impl.plugins import BackendSpec, validate_backend_name
+from reports.history import LOG_SUFFIX
 from scenarios.errors import HarnessError, UsageError
 from scenarios.provision import DSN_ENV, postgres
 from scenarios.workers import WorkerPool
@@ -111,7 +112,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="DIR",
         default=Path("worker-events"),
-        help="directory for one event log per worker (default ./worker-events)",
+        help=f"directory for one event log per worker, WORKER_ID{LOG_SUFFIX} "
+        "(default ./worker-events)",
     )
     parser.add_argument(
         "--seed",

@@ -3,7 +3,7 @@
 Each producer process runs Locust as a library (headless), with users whose client is the
 queue itself: one enqueue transaction is one Locust request, timed with
 `events.request.measure`, so Locust's own statistics (CSV in RUN_DIR/locust/) describe the
-enqueue side. Every job is also recorded as an operation in RUN_DIR/enqueues.jsonl: `invoke`
+enqueue side. Every job is also recorded as an operation in RUN_DIR/enqueues.csv: `invoke`
 with the job's oracle (account, target URL, script, max_attempts) before the transaction,
 then `ok`, `fail` (the queue certainly did not take it) or `info` (unknown: the connection was
 lost, or the error came with or after COMMIT).
@@ -59,7 +59,14 @@ from locust.stats import PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_histor
 
 from queue_impl.interface import NewJob, QueueBackend
 from queue_impl.plugins import BackendSpec
-from reports.history import ENQUEUES_FILE, LOCUST_DIR, EnqueueOp, EnqueueType, JsonlWriter
+from reports.history import (
+    ENQUEUE_LOG,
+    ENQUEUES_FILE,
+    LOCUST_DIR,
+    EnqueueOp,
+    EnqueueType,
+    LogWriter,
+)
 from scenarios.spec import Chooser, ScenarioSpec, from_mapping
 
 # Errors the server raised about the statement itself: the transaction was rolled back
@@ -109,7 +116,7 @@ class _Context:
     target_url: str
     seed: int
     process: str
-    writer: JsonlWriter
+    writer: LogWriter
     users_started: int = 0
     # Set when the load phase ends: users start no new enqueue, and the process waits for the
     # ones in flight before Locust stops the users (killing a user mid-enqueue would leave an
@@ -256,7 +263,8 @@ def main(config: Mapping[str, Any]) -> int:
     CTX.target_url = config["target_url"]
     CTX.seed = int(config["seed"])
     CTX.process = f"producer-{index}" if role != "master" else "producer-master"
-    CTX.writer = JsonlWriter(run_dir / ENQUEUES_FILE)
+    # Every producer process appends to the one log; the writer puts the header first.
+    CTX.writer = LogWriter(run_dir / ENQUEUES_FILE, ENQUEUE_LOG)
 
     total_users = spec.users * spec.producers
     user_class = _user_class(spec, total_users)

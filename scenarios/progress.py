@@ -8,7 +8,6 @@ the queue, so sampling cannot change what is measured beyond one small query per
 from __future__ import annotations
 
 import csv
-import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass, fields
@@ -24,7 +23,16 @@ from rich.table import Table
 from rich.text import Text
 
 from queue_impl.interface import JobStatus, QueueBackend
-from reports.history import DELIVERIES_DIR, ENQUEUES_FILE
+from reports.history import (
+    DELIVERIES_DIR,
+    DELIVERY_LOG,
+    ENQUEUE_LOG,
+    ENQUEUES_FILE,
+    LOG_SUFFIX,
+    LogFormat,
+    parse_header,
+    parse_row,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,14 +62,18 @@ SAMPLE_COLUMNS = [f.name for f in fields(Sample)]
 
 
 class _Tail:
-    """Reads whole new lines appended to a file since the last call."""
+    """Reads the records appended to a CSV log since the last call. Only whole lines count:
+    a last line still being written waits for its rest. The first line is the header."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, log: LogFormat) -> None:
         self.path = path
+        self.log = log
         self.offset = 0
         self.partial = b""
+        self.names: list[str] | None = None
+        self.line_number = 0
 
-    def lines(self) -> list[bytes]:
+    def records(self) -> list[dict[str, Any]]:
         try:
             with self.path.open("rb") as fh:
                 fh.seek(self.offset)
@@ -71,7 +83,17 @@ class _Tail:
         self.offset += len(data)
         data = self.partial + data
         *whole, self.partial = data.split(b"\n")
-        return [line for line in whole if line.strip()]
+        records = []
+        # Writers escape line breaks inside fields, so every b"\n" ends a record.
+        for raw in whole:
+            self.line_number += 1
+            line = raw.decode()
+            if self.names is None:
+                self.names = parse_header(self.path, line, self.log)
+            elif line.strip():
+                records.append(parse_row(self.path, self.line_number, line, self.names,
+                                         self.log))
+        return records
 
 
 class Sampler:
@@ -89,7 +111,7 @@ class Sampler:
         self.dsn = dsn
         self.schema = schema
         self.backend = backend
-        self.enqueues = _Tail(run_dir / ENQUEUES_FILE)
+        self.enqueues = _Tail(run_dir / ENQUEUES_FILE, ENQUEUE_LOG)
         self.delivery_tails: dict[Path, _Tail] = {}
         self.invoked = self.ok = self.errors = 0
         self.delivered = self.delivered_ok = self.duplicates = 0
@@ -102,8 +124,7 @@ class Sampler:
     def _read_files(self) -> None:
         # Enqueues first: an invoke is written before its job exists, so every delivery read
         # below belongs to an invoke already read, unless the queue made the job up.
-        for line in self.enqueues.lines():
-            op = json.loads(line)
+        for op in self.enqueues.records():
             kind = op.get("type")
             if kind == "invoke":
                 self.invoked += 1
@@ -112,10 +133,9 @@ class Sampler:
                 self.ok += 1
             else:
                 self.errors += 1
-        for path in sorted((self.run_dir / DELIVERIES_DIR).glob("*.jsonl")):
-            tail = self.delivery_tails.setdefault(path, _Tail(path))
-            for line in tail.lines():
-                record = json.loads(line)
+        for path in sorted((self.run_dir / DELIVERIES_DIR).glob(f"*{LOG_SUFFIX}")):
+            tail = self.delivery_tails.setdefault(path, _Tail(path, DELIVERY_LOG))
+            for record in tail.records():
                 self.delivered += 1
                 self._judge_arrival(record)
                 status = record.get("status")

@@ -32,8 +32,10 @@ from queue_impl.interface import Account, JobState, JobStatus, QueueBackend
 from queue_impl.plugins import BackendSpec
 from reports import columnar
 from reports.history import (
+    ENQUEUE_LOG,
     ENQUEUES_FILE,
     FINAL_JOBS_FILE,
+    FINAL_JOBS_LOG,
     LOCUST_DIR,
     NEMESIS_FILE,
     RUN_FILE,
@@ -42,6 +44,7 @@ from reports.history import (
     WORKERS_DIR,
     HistoryError,
     JsonlWriter,
+    LogWriter,
     RunInfo,
     to_record,
     write_json,
@@ -277,7 +280,7 @@ def _write_final_jobs(path: Path, states: list[JobState],
     """Write the snapshot whole or not at all (a partial file would be judged as if it were
     the queue's final state); returns the number of rows."""
     partial = path.with_name(path.name + ".partial")
-    with JsonlWriter(partial) as writer:
+    with LogWriter(partial, FINAL_JOBS_LOG) as writer:
         for state in states:
             record = to_record(state)
             record["job_id"] = str(state.job_id)
@@ -387,7 +390,8 @@ def run_scenario(
     (run_dir / LOCUST_DIR).mkdir()
     (run_dir / WORKERS_DIR).mkdir()
     (run_dir / NEMESIS_FILE).touch()
-    (run_dir / ENQUEUES_FILE).touch()
+    # With its header: a run in which no producer wrote still leaves a well-formed log.
+    LogWriter(run_dir / ENQUEUES_FILE, ENQUEUE_LOG).close()
     say(f"run directory: {run_dir}")
 
     started = time.time()

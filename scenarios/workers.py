@@ -2,7 +2,7 @@
 
 Children are started with the `spawn` context, so none inherits a socket, a lock or an event
 loop from the parent; each opens its backend (`spec.create()`) after it starts. They report
-only through their event files (`events_dir/<worker_id>.jsonl`, `reports.history.WorkerEvent`
+only through their event files (`events_dir/<worker_id>.csv`, `reports.history.WorkerEvent`
 records), never through a pipe or a shared lock, so a worker killed at any moment leaves the
 others and the history intact. Leaving the context stops them: SIGTERM, a grace period to
 drain, then SIGKILL for any that remain, so no process is left behind.
@@ -24,21 +24,25 @@ import multiprocess
 from queue_impl.dispatcher import (
     BackendFactory,
     DispatcherConfig,
+    EventSink,
     run_worker,
     validate_worker_count,
 )
-from reports.history import JsonlWriter, WorkerEvent
+from reports.history import (
+    LOG_SUFFIX,
+    WORKER_LOG,
+    LogWriter,
+    WorkerEvent,
+    parse_header,
+    parse_row,
+)
 from scenarios.errors import HarnessError
 
 _RECORD_FIELDS = ("job_id", "attempt")
 
 
-def _worker_main(
-    spec: BackendFactory, config: DispatcherConfig, worker_id: str, events_path: str
-) -> None:
-    """Entry point of one worker process."""
-    _die_with_parent()
-    writer = JsonlWriter(Path(events_path))
+def log_sink(writer: LogWriter, worker_id: str) -> EventSink:
+    """The dispatcher's events as `WorkerEvent` records in `writer`'s log, one line each."""
 
     def sink(kind: str, fields: Mapping[str, Any]) -> None:
         data = {k: v for k, v in fields.items() if k not in _RECORD_FIELDS}
@@ -54,9 +58,18 @@ def _worker_main(
             )
         )
 
+    return sink
+
+
+def _worker_main(
+    spec: BackendFactory, config: DispatcherConfig, worker_id: str, events_path: str
+) -> None:
+    """Entry point of one worker process."""
+    _die_with_parent()
+    writer = LogWriter(Path(events_path), WORKER_LOG)
     try:
         # run_worker writes the `stop` event itself, on every way out but a crash.
-        run_worker(spec, config, worker_id, sink)
+        run_worker(spec, config, worker_id, log_sink(writer, worker_id))
     finally:
         writer.close()
 
@@ -77,12 +90,18 @@ def _die_with_parent() -> None:
 
 
 def _has_start_event(path: Path) -> bool:
+    """Whether the worker's log holds its `start` event: the first line after the header,
+    read only once it is whole (the worker may be writing it right now)."""
     try:
         with path.open("rb") as fh:
+            header = fh.readline()
             first = fh.readline()
     except FileNotFoundError:
         return False
-    return first.endswith(b"\n") and b'"kind":"start"' in first
+    if not first.endswith(b"\n"):
+        return False
+    names = parse_header(path, header.decode(), WORKER_LOG)
+    return bool(parse_row(path, 2, first.decode(), names, WORKER_LOG)["kind"] == "start")
 
 
 class WorkerPool:
@@ -106,7 +125,7 @@ class WorkerPool:
         self._processes: list[Any] = []
 
     def events_path(self, worker_id: str) -> Path:
-        return self.events_dir / f"{worker_id}.jsonl"
+        return self.events_dir / f"{worker_id}{LOG_SUFFIX}"
 
     def start(self, timeout: float = 60.0) -> None:
         """Start every worker and wait until each has written its `start` event, so a stop

@@ -26,7 +26,16 @@ from queue_impl.dispatcher import FAILPOINT_EXIT_CODE, DispatcherConfig
 from queue_impl.interface import Account, JobStatus, NewJob
 from queue_impl.pg import PgQueue
 from queue_impl.plugins import BackendSpec
-from reports.history import Behaviour, JobScript, Step, read_jsonl
+from reports.history import (
+    DELIVERY_LOG,
+    LOG_SUFFIX,
+    WORKER_LOG,
+    Behaviour,
+    JobScript,
+    LogFormat,
+    Step,
+    read_log,
+)
 from scenarios.workers import WorkerPool
 
 pytestmark = pytest.mark.chaos
@@ -103,14 +112,14 @@ def snapshot(spec: BackendSpec) -> dict[uuid.UUID, Any]:
         queue.close()
 
 
-def events(path: Path) -> list[dict[str, Any]]:
+def events(path: Path, log: LogFormat = WORKER_LOG) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    return list(read_jsonl(path))
+    return list(read_log(path, log))
 
 
 def deliveries(target: TargetProcess) -> list[dict[str, Any]]:
-    return events(target.deliveries_path)
+    return events(target.deliveries_path, DELIVERY_LOG)
 
 
 def pid_alive(pid: int) -> bool:
@@ -146,7 +155,7 @@ def test_sigterm_drains_gracefully(
     claimed: set[tuple[str, int]] = set()
     settled: set[tuple[str, int]] = set()
     for worker_id in pool.worker_ids:
-        log = events(events_dir / f"{worker_id}.jsonl")
+        log = events(pool.events_path(worker_id))
         assert log[0]["kind"] == "start"
         assert log[-1]["kind"] == "stop"
         assert log[-1]["data"]["reason"] == "SIGTERM"
@@ -262,7 +271,7 @@ def test_worker_command_drains_and_leaves_no_child(
         )
         starts = [
             e["data"]["pid"]
-            for path in sorted(events_dir.glob("*.jsonl"))
+            for path in sorted(events_dir.glob(f"*{LOG_SUFFIX}"))
             for e in events(path)
             if e["kind"] == "start"
         ]
@@ -280,7 +289,7 @@ def test_worker_command_drains_and_leaves_no_child(
     assert "skiplock worker: stopped" in err
     for pid in starts:
         assert not pid_alive(pid)
-    for path in events_dir.glob("*.jsonl"):
+    for path in events_dir.glob(f"*{LOG_SUFFIX}"):
         assert events(path)[-1]["kind"] == "stop"
 
 
@@ -299,3 +308,4 @@ def test_crash_after_claim_failpoint_dies_before_any_http(
     assert (log[-1]["job_id"], log[-1]["attempt"]) == (str(job_id), 1)
     assert deliveries(target) == []
     assert snapshot(spec)[job_id].status is JobStatus.PROCESSING
+

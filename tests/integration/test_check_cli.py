@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from reports.bench_checker import RunBuilder
+from reports.history import ENQUEUE_LOG
 
 pytestmark = pytest.mark.integration
 
@@ -71,9 +72,9 @@ def test_drain_timeout_exits_3(tmp_path: Path) -> None:
 
 def test_truncated_log_exits_3(tmp_path: Path) -> None:
     run_dir = good_run(tmp_path)
-    log = next((run_dir / "workers").glob("*.jsonl"))
+    log = next((run_dir / "workers").glob("*.csv"))
     with log.open("a") as fh:
-        fh.write('{"kind": "cla')
+        fh.write("claim,wor")
     done = skiplock("check", run_dir)
     assert done.returncode == 3, done.stderr
     assert "truncated mid-line" in done.stdout
@@ -94,15 +95,18 @@ def _write(name: str, text: str) -> Callable[[Path], None]:
     ("damage", "needle"),
     [
         (_unlink("run.json"), "run.json is missing"),
-        (_unlink("enqueues.jsonl"), "enqueues.jsonl is missing"),
+        (_unlink("enqueues.csv"), "enqueues.csv is missing"),
         (_unlink("spec.json"), "spec.json is missing"),
-        (_write("final_jobs.jsonl", "not json\n"), "final_jobs.jsonl:1 is not valid JSON"),
+        (_write("final_jobs.csv", "not a header\n"),
+         "final_jobs.csv:1 is not a header of final job state columns"),
         (_write("run.json", "[1, 2]"), "run.json is not a JSON object"),
         (_write("run.json", '{"drained": "maybe"}'), "run.json lacks"),
-        (_write("enqueues.jsonl", '{"type": "maybe", "job_id": "a"}\n'),
-         "enqueue type 'maybe'"),
-        (_write("deliveries/target-0.jsonl", '{"received": 1.0}\n'),
-         "target-0.jsonl:1: delivery has no job_id"),
+        (_write("enqueues.csv", ENQUEUE_LOG.header() + ENQUEUE_LOG.line(
+            {"type": "maybe", "job_id": "a"})), "enqueues.csv:2: enqueue type 'maybe'"),
+        (_write("enqueues.csv", ENQUEUE_LOG.header() + "invoke,a,1.0\n"),
+         "enqueues.csv:2 has 3 fields, the header 17"),
+        (_write("deliveries/target-0.csv", "received\n1.0\n"),
+         "target-0.csv:1: the header has no job_id column"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path: Path, damage: Callable[[Path], None],
@@ -130,11 +134,11 @@ def test_second_directory_without_logs_exits_2(tmp_path: Path) -> None:
     empty.mkdir()
     done = skiplock("check", run_dir, empty)
     assert done.returncode == 2
-    assert "holds none of deliveries/, workers/, enqueues.jsonl" in done.stderr
+    assert "holds none of deliveries/, workers/, enqueues.csv" in done.stderr
 
 
 def test_incomplete_final_snapshot_exits_3(tmp_path: Path) -> None:
-    """run.json says the snapshot had 5 rows; final_jobs.jsonl has 2: not judged valid."""
+    """run.json says the snapshot had 5 rows; final_jobs.csv has 2: not judged valid."""
     run_dir = good_run(tmp_path)
     info = json.loads((run_dir / "run.json").read_text())
     (run_dir / "run.json").write_text(json.dumps({**info, "final_jobs": 5}))
@@ -142,7 +146,7 @@ def test_incomplete_final_snapshot_exits_3(tmp_path: Path) -> None:
     assert done.returncode == 3, done.stderr
     verdict = json.loads((run_dir / "verdict.json").read_text())
     assert verdict["unknown_reasons"] == [
-        "final snapshot incomplete: run.json says 5 rows, final_jobs.jsonl has 2"]
+        "final snapshot incomplete: run.json says 5 rows, final_jobs.csv has 2"]
 
 
 def test_no_directory_is_a_usage_error() -> None:

@@ -9,12 +9,14 @@ tests stay fast while keeping timeout + margin inside the lease.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +26,7 @@ import psycopg
 import pytest
 from aiohttp import web
 
-from queue_impl.dispatcher import Dispatcher, DispatcherConfig
+from queue_impl.dispatcher import Dispatcher, DispatcherConfig, EventSink
 from queue_impl.interface import (
     ACCOUNT_HEADER,
     ATTEMPT_HEADER,
@@ -40,6 +42,8 @@ from queue_impl.interface import (
 )
 from queue_impl.pg import PgQueue
 from queue_impl.ssrf import UrlGuard
+from reports.history import LOG_SUFFIX, WORKER_LOG, LogWriter, read_log
+from scenarios.workers import log_sink
 
 pytestmark = pytest.mark.integration
 
@@ -192,6 +196,37 @@ def enqueue(queue: Queue, url: str, count: int = 1, account: str = "acct-1") -> 
 Event = tuple[str, dict[str, Any]]
 
 
+def _as_logged(kind: str, fields: dict[str, Any]) -> tuple[Any, ...]:
+    """An emitted event as the worker log gives it back: job id and attempt lifted out, and
+    no empty fields (the log writes null and the empty string alike, as an empty cell)."""
+    data = {k: v for k, v in fields.items()
+            if k not in ("job_id", "attempt") and v is not None and v != ""}
+    return kind, fields.get("job_id"), fields.get("attempt"), data
+
+
+@contextlib.contextmanager
+def recorded(worker_id: str) -> Iterator[tuple[list[Event], EventSink]]:
+    """A sink that keeps the dispatcher's events for the test and also writes them to a
+    worker log as the worker pool does. On leaving, the log must read back as exactly those
+    events: a field it had no column for would have killed a real worker."""
+    events: list[Event] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{worker_id}{LOG_SUFFIX}"
+        with LogWriter(path, WORKER_LOG) as writer:
+            to_log = log_sink(writer, worker_id)
+
+            def sink(kind: str, fields: Mapping[str, Any]) -> None:
+                events.append((kind, dict(fields)))
+                to_log(kind, fields)
+
+            yield events, sink
+        logged = list(read_log(path, WORKER_LOG))
+    assert {e["worker"] for e in logged} <= {worker_id}
+    assert [(e["kind"], e["job_id"], e["attempt"], e["data"]) for e in logged] == [
+        _as_logged(kind, fields) for kind, fields in events
+    ]
+
+
 def run_until(
     queue: Queue,
     config: DispatcherConfig,
@@ -204,26 +239,24 @@ def run_until(
 ) -> tuple[dict[uuid.UUID, JobState], list[Event]]:
     """Run one dispatcher (its own backend, as a worker process would have) until `done`
     holds for the queue's snapshot, then stop it gracefully."""
-    events: list[Event] = []
     backend = backend or PgQueue(queue.dsn, schema=queue.schema)
-    dispatcher = Dispatcher(
-        backend, config, worker_id, lambda k, f: events.append((k, dict(f))), guard=guard
-    )
+    with recorded(worker_id) as (events, sink):
+        dispatcher = Dispatcher(backend, config, worker_id, sink, guard=guard)
 
-    async def go() -> dict[uuid.UUID, JobState]:
-        task = asyncio.create_task(dispatcher.run())
-        deadline = time.monotonic() + limit
-        try:
-            while True:
-                states = {s.job_id: s for s in await asyncio.to_thread(queue.snapshot)}
-                if done(states) or task.done() or time.monotonic() > deadline:
-                    return states
-                await asyncio.sleep(0.05)
-        finally:
-            dispatcher.request_stop("test over")
-            await task
+        async def go() -> dict[uuid.UUID, JobState]:
+            task = asyncio.create_task(dispatcher.run())
+            deadline = time.monotonic() + limit
+            try:
+                while True:
+                    states = {s.job_id: s for s in await asyncio.to_thread(queue.snapshot)}
+                    if done(states) or task.done() or time.monotonic() > deadline:
+                        return states
+                    await asyncio.sleep(0.05)
+            finally:
+                dispatcher.request_stop("test over")
+                await task
 
-    states = asyncio.run(go())
+        states = asyncio.run(go())
     assert events[-1][0] == "stop"
     return states, events
 
@@ -386,19 +419,16 @@ def test_stop_arriving_during_the_claim_releases_the_leases(
             loop.call_soon_threadsafe(dispatcher.request_stop, "SIGTERM")
             return leases
 
-    events: list[Event] = []
-    dispatcher = Dispatcher(
-        StopDuringClaim(queue.dsn, schema=queue.schema),
-        config,
-        "worker-s",
-        lambda k, f: events.append((k, dict(f))),
-    )
+    with recorded("worker-s") as (events, sink):
+        dispatcher = Dispatcher(
+            StopDuringClaim(queue.dsn, schema=queue.schema), config, "worker-s", sink
+        )
 
-    async def go() -> None:
-        loop_box.update(loop=asyncio.get_running_loop(), dispatcher=dispatcher)
-        await asyncio.wait_for(dispatcher.run(), 20)
+        async def go() -> None:
+            loop_box.update(loop=asyncio.get_running_loop(), dispatcher=dispatcher)
+            await asyncio.wait_for(dispatcher.run(), 20)
 
-    asyncio.run(go())
+        asyncio.run(go())
     kinds = [kind for kind, _ in events]
     assert kinds == ["start", "claim", "claim", "claim", "release", "release", "release", "stop"]
     assert {f["result"] for kind, f in events if kind == "release"} == {"applied"}
@@ -443,6 +473,39 @@ def test_long_call_renews_its_lease_so_recovery_leaves_it_alone(
     assert renewals[-1]["locked_until"] > claim["locked_until"]
     [write] = [f for kind, f in events if kind == "write"]
     assert write["result"] == "applied"
+
+
+class LosesEveryRenewal(PgQueue):
+    """Every renewal finds the lease gone, as when recovery handed it to another worker."""
+
+    def renew(self, leases: Sequence[Lease], extend: timedelta) -> list[Lease | None]:
+        return [None for _ in leases]
+
+
+def test_a_lost_lease_is_logged_once_and_never_renewed_again(
+    queue: Queue, server: EchoServer
+) -> None:
+    config = replace(
+        CONFIG,
+        allow_targets=(f"127.0.0.1:{server.port}",),
+        lease_seconds=0.5,
+        http_timeout_seconds=3.0,
+        unsafe_timing=True,
+        recovery_enabled=False,
+    )
+    [job] = enqueue(queue, server.url("/slow"))
+
+    def answered_and_written(states: dict[uuid.UUID, JobState]) -> bool:
+        hits = server.hits_for(job.id)
+        return bool(hits) and hits[0].answered is not None and (
+            time.time() > hits[0].answered + 0.5)
+
+    _, events = run_until(queue, config, answered_and_written,
+                          backend=LosesEveryRenewal(queue.dsn, schema=queue.schema))
+    # Renewals come every half lease while the 1.6 s call runs; only the first one is sent.
+    renewals = [f for kind, f in events if kind == "renew"]
+    assert renewals == [{"job_id": str(job.id), "attempt": 1, "lost": True}]
+    assert [f["job_id"] for kind, f in events if kind == "write"] == [str(job.id)]
 
 
 class FlakyDatabase(PgQueue):

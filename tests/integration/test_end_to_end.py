@@ -16,18 +16,24 @@ import pytest
 
 from reports.history import (
     DELIVERIES_DIR,
+    DELIVERY_LOG,
+    ENQUEUE_LOG,
     ENQUEUES_FILE,
     FINAL_JOBS_FILE,
+    FINAL_JOBS_LOG,
     LOCUST_DIR,
+    LOG_SUFFIX,
     NEMESIS_FILE,
     RUN_FILE,
     SAMPLES_FILE,
     SPEC_FILE,
     VERDICT_FILE,
+    WORKER_LOG,
     WORKERS_DIR,
     FaultEvent,
     read_json,
     read_jsonl,
+    read_log,
 )
 from scenarios import spec as spec_mod
 from scenarios.runner import RunContext, RunOptions, RunResult, run_scenario
@@ -102,8 +108,15 @@ def test_pg_passes_a_fault_free_run(pg_dsn: str, tmp_path: Path, no_leftovers: N
     for name in (SPEC_FILE, ENQUEUES_FILE, FINAL_JOBS_FILE, RUN_FILE, SAMPLES_FILE,
                  NEMESIS_FILE, VERDICT_FILE):
         assert (run_dir / name).is_file(), name
-    assert len(list((run_dir / WORKERS_DIR).glob("*.jsonl"))) == 3
-    assert len(list((run_dir / DELIVERIES_DIR).glob("*.jsonl"))) == 1
+    worker_logs = sorted((run_dir / WORKERS_DIR).glob(f"*{LOG_SUFFIX}"))
+    assert len(worker_logs) == 3
+    assert len(list((run_dir / DELIVERIES_DIR).glob(f"*{LOG_SUFFIX}"))) == 1
+    kinds_logged: set[str] = set()
+    for log in worker_logs:
+        kinds = [event["kind"] for event in read_log(log, WORKER_LOG)]
+        assert kinds[0] == "start" and kinds[-1] == "stop"
+        kinds_logged.update(kinds)
+    assert {"claim", "http", "write"} <= kinds_logged
     assert list((run_dir / LOCUST_DIR).glob("*_stats.csv"))
     described = read_json(run_dir / SPEC_FILE)
     assert described["seed"] == 1
@@ -113,13 +126,13 @@ def test_pg_passes_a_fault_free_run(pg_dsn: str, tmp_path: Path, no_leftovers: N
     assert [p["name"] for p in described["phases"]] == ["setup", "warmup", "load", "drain"]
     info = read_json(run_dir / RUN_FILE)
     assert info["drained"] is True and info["exit_reason"] == "completed"
-    assert info["final_jobs"] == len(list(read_jsonl(run_dir / FINAL_JOBS_FILE)))
+    assert info["final_jobs"] == len(list(read_log(run_dir / FINAL_JOBS_FILE, FINAL_JOBS_LOG)))
     assert info["final_jobs"] == counts["enqueued"]
-    accounts = {r["account"] for r in read_jsonl(run_dir / ENQUEUES_FILE)
+    accounts = {r["account"] for r in read_log(run_dir / ENQUEUES_FILE, ENQUEUE_LOG)
                 if r["type"] == "invoke"}
     assert len(accounts) >= 3
     assert json.loads((run_dir / VERDICT_FILE).read_text())["valid"] is True
-    # The run's own check kept a columnar copy, so re-checking it skips the JSON parsing.
+    # The run's own check kept a columnar copy, so re-checking it skips the CSV parsing.
     assert list((run_dir / ".cache").rglob("*.arrow"))
 
 
@@ -128,7 +141,7 @@ def test_same_seed_same_scripts_and_accounts(pg_dsn: str, tmp_path: Path) -> Non
 
     def sequences(run_dir: Path) -> dict[str, list[tuple[str, str]]]:
         out: dict[str, list[tuple[str, str]]] = {}
-        for r in read_jsonl(run_dir / ENQUEUES_FILE):
+        for r in read_log(run_dir / ENQUEUES_FILE, ENQUEUE_LOG):
             if r["type"] == "invoke":
                 out.setdefault(r["process"], []).append((r["script"]["name"], r["account"]))
         return out
@@ -155,17 +168,17 @@ def test_faulty_targets_pass_with_retries_dead_letters_and_explained_duplicates(
     assert counts["early_retry"] == 0
     assert counts["attempts_exceeded"] == 0
     assert counts["completed"] + counts["failed"] == counts["enqueued"]
-    statuses = {r["status"] for r in read_jsonl(result.run_dir / FINAL_JOBS_FILE)}
+    statuses = {r["status"] for r in read_log(result.run_dir / FINAL_JOBS_FILE, FINAL_JOBS_LOG)}
     assert statuses == {"COMPLETED", "FAILED"}
 
     # The seeded mix (about 175 draws, 1 in 20 for each of these) enqueued every faulty
     # script, and the target really played each one: a faulty script that never ran would
     # make the verdict above say nothing about it.
-    script_of = {r["job_id"]: r["script"]["name"] for r in read_jsonl(
-        result.run_dir / ENQUEUES_FILE) if r["type"] == "invoke"}
+    script_of = {r["job_id"]: r["script"]["name"] for r in read_log(
+        result.run_dir / ENQUEUES_FILE, ENQUEUE_LOG) if r["type"] == "invoke"}
     played: dict[str, set[str]] = {}
-    for path in (result.run_dir / DELIVERIES_DIR).glob("*.jsonl"):
-        for delivery in read_jsonl(path):
+    for path in (result.run_dir / DELIVERIES_DIR).glob(f"*{LOG_SUFFIX}"):
+        for delivery in read_log(path, DELIVERY_LOG):
             played.setdefault(delivery["behaviour"], set()).add(delivery["job_id"])
     for script, behaviour in (("hang_then_late", "hang"), ("hang_forever", "hang_forever"),
                               ("reset", "reset"), ("fail_then_succeed", "status"),
@@ -175,7 +188,8 @@ def test_faulty_targets_pass_with_retries_dead_letters_and_explained_duplicates(
         assert jobs & played.get(behaviour, set()), f"no {behaviour} delivery was played"
     # A hang_then_late job answers 200 after the HTTP timeout, so its retry's 2xx is a
     # duplicate that the recorded timeout explains: every such job that completed makes one.
-    late_completed = {r["job_id"] for r in read_jsonl(result.run_dir / FINAL_JOBS_FILE)
+    late_completed = {r["job_id"] for r in read_log(result.run_dir / FINAL_JOBS_FILE,
+                                                     FINAL_JOBS_LOG)
                       if r["status"] == "COMPLETED" and script_of[r["job_id"]]
                       == "hang_then_late"}
     assert late_completed
@@ -307,7 +321,7 @@ from locust import events
 from locust.env import Environment
 from queue_impl.interface import Account
 from queue_impl.plugins import BackendSpec
-from reports.history import ENQUEUES_FILE, JsonlWriter
+from reports.history import ENQUEUE_LOG, ENQUEUES_FILE, LogWriter
 from scenarios.spec import load
 
 dsn, schema, run_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
@@ -334,7 +348,7 @@ p.CTX.backend = backend
 p.CTX.target_url = "http://127.0.0.1:9/deliver"
 p.CTX.seed = 1
 p.CTX.process = "producer-0"
-p.CTX.writer = JsonlWriter(run_dir / ENQUEUES_FILE)
+p.CTX.writer = LogWriter(run_dir / ENQUEUES_FILE, ENQUEUE_LOG)
 user_class = p._user_class(spec, 1)
 user = user_class(Environment(user_classes=[user_class], events=events))
 user.on_start()
@@ -359,7 +373,7 @@ def test_error_raised_at_commit_is_recorded_as_info(
     out = _in_fresh_python(COMMIT_ERROR_SCRIPT, pg_dsn, fresh_schema, str(tmp_path))
     in_queue = json.loads(out.splitlines()[-1])
     ops: dict[str, list[dict[str, Any]]] = {}
-    for op in read_jsonl(tmp_path / ENQUEUES_FILE):
+    for op in read_log(tmp_path / ENQUEUES_FILE, ENQUEUE_LOG):
         ops.setdefault(op["job_id"], []).append(op)
     assert len(ops) == 2
     first, second = sorted(ops.values(), key=lambda seq: seq[0]["time"])
@@ -488,8 +502,9 @@ def test_sigterm_mid_load_cleans_up_and_leaves_a_judgeable_run(
                 dirs = list((tmp_path / "runs").glob("*"))
                 if not dirs or not (dirs[0] / ENQUEUES_FILE).exists():
                     return False
-                text = (dirs[0] / ENQUEUES_FILE).read_text()
-                return text.count('"type": "ok"') + text.count('"type":"ok"') >= 20
+                lines = (dirs[0] / ENQUEUES_FILE).read_text().splitlines()
+                # `type` is the first column; the log may end mid-line, so no read_log here.
+                return sum(line.startswith("ok,") for line in lines) >= 20
 
             assert _poll(loading, 90.0), (tmp_path / "stderr").read_text()
             children = {pid: _cmdline(pid) for pid in _descendants(run.pid)}
@@ -516,7 +531,7 @@ def test_sigterm_mid_load_cleans_up_and_leaves_a_judgeable_run(
     info = read_json(run_dir / RUN_FILE)
     assert info["exit_reason"] == "interrupted"
     assert info["final_snapshot"] == "taken after the interrupt"
-    rows = list(read_jsonl(run_dir / FINAL_JOBS_FILE))
+    rows = list(read_log(run_dir / FINAL_JOBS_FILE, FINAL_JOBS_LOG))
     assert info["final_jobs"] == len(rows) > 0
     verdict = check_run([run_dir])
     assert verdict.valid == "unknown", verdict.to_json()
@@ -560,15 +575,14 @@ def test_target_dies_with_its_parent(tmp_path: Path) -> None:
 def test_demo_latency_starts_at_the_ack_and_ends_at_the_first_timely_2xx(
     tmp_path: Path
 ) -> None:
-    from reports.history import JsonlWriter
+    from reports.history import LogWriter
     from scenarios.cmd_demo import latencies
 
-    (tmp_path / DELIVERIES_DIR).mkdir()
-    with JsonlWriter(tmp_path / ENQUEUES_FILE) as enq:
+    with LogWriter(tmp_path / ENQUEUES_FILE, ENQUEUE_LOG) as enq:
         for job, ack in (("a", 100.5), ("b", 100.2), ("c", 100.0)):
             enq.write({"type": "invoke", "job_id": job, "time": 100.0})
             enq.write({"type": "ok", "job_id": job, "time": ack})
-    with JsonlWriter(tmp_path / DELIVERIES_DIR / "target-0.jsonl") as dels:
+    with LogWriter(tmp_path / DELIVERIES_DIR / f"target-0{LOG_SUFFIX}", DELIVERY_LOG) as dels:
         # a: its first 2xx came after the 1 s timeout (nobody got it); the retry's counts.
         dels.write({"job_id": "a", "received": 101.0, "answered": 103.0, "status": 200})
         dels.write({"job_id": "a", "received": 104.0, "answered": 104.1, "status": 200})

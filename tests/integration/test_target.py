@@ -15,7 +15,7 @@ import pytest
 
 from chaos.target import TargetProcess
 from queue_impl.interface import ACCOUNT_HEADER, ATTEMPT_HEADER, JOB_ID_HEADER, WORKER_HEADER
-from reports.history import Behaviour, JobScript, Step, read_jsonl
+from reports.history import DELIVERY_LOG, Behaviour, JobScript, Step, read_log
 from scenarios.cli import main as cli_main
 
 pytestmark = pytest.mark.integration
@@ -78,7 +78,7 @@ def post(url: str, job: str | None, payload: dict[str, Any] | None, **kwargs: An
 
 
 def records(target: TargetProcess, job: str) -> list[dict[str, Any]]:
-    return [r for r in read_jsonl(target.deliveries_path) if r["job_id"] == job]
+    return [r for r in read_log(target.deliveries_path, DELIVERY_LOG) if r["job_id"] == job]
 
 
 def wait_until(check: Callable[[], Any], timeout: float = 10.0) -> Any:
@@ -208,7 +208,8 @@ def test_requests_it_cannot_obey_get_400_and_a_record(target: TargetProcess) -> 
     bad_script = {"script": {"first": {"behaviour": "explode"}}}
     job2 = job_id()
     assert post(target.deliver_url, job2, bad_script) == 400
-    no_id = [r for r in read_jsonl(target.deliveries_path) if r["job_id"] == ""]
+    # The log has no empty string: a request without a job id reads back as null.
+    no_id = [r for r in read_log(target.deliveries_path, DELIVERY_LOG) if r["job_id"] is None]
     assert no_id and no_id[-1]["status"] == 400 and no_id[-1]["behaviour"] == "bad_request"
     assert [r["status"] for r in records(target, job)] == [400]
     assert [r["status"] for r in records(target, job2)] == [400]
@@ -289,17 +290,18 @@ def test_two_targets_write_two_files_and_stop_records_what_is_open(
         assert not second.alive()
 
     files = sorted(p.name for p in (out / "deliveries").iterdir())
-    assert files == ["target-0.jsonl", "target-1.jsonl"]
-    assert [r["job_id"] for r in read_jsonl(second.deliveries_path)] == [
+    assert files == ["target-0.csv", "target-1.csv"]
+    second_log = list(read_log(second.deliveries_path, DELIVERY_LOG))
+    assert [r["job_id"] for r in second_log] == [
         second_job,
         second_job,
         failing,
         hung,
     ]
-    assert {r["target"] for r in read_jsonl(second.deliveries_path)} == {"target-1"}
+    assert {r["target"] for r in second_log} == {"target-1"}
     assert records(target, second_job) == []
     assert [r["target"] for r in records(target, first_job)] == ["target-0"]
-    [held] = [r for r in read_jsonl(second.deliveries_path) if r["job_id"] == hung]
+    [held] = [r for r in second_log if r["job_id"] == hung]
     assert (held["answered"], held["status"]) == (None, None)
 
 
@@ -309,8 +311,18 @@ def test_a_killed_target_keeps_every_answered_delivery(tmp_path: Path) -> None:
         assert {post(crashy.deliver_url, j, {}) for j in jobs} == {200}
         crashy.kill()
         assert not crashy.alive()
-    # read_jsonl refuses a truncated file, so this also says no line was cut.
-    assert [r["job_id"] for r in read_jsonl(crashy.deliveries_path)] == jobs
+    # read_log refuses a truncated file, so this also says no line was cut.
+    assert [r["job_id"] for r in read_log(crashy.deliveries_path, DELIVERY_LOG)] == jobs
+
+
+def test_a_restarted_target_appends_under_the_one_header(tmp_path: Path) -> None:
+    jobs = [job_id(), job_id()]
+    for job in jobs:
+        with TargetProcess(tmp_path, name="again") as again:
+            assert post(again.deliver_url, job, {}) == 200
+    lines = again.deliveries_path.read_text().splitlines()
+    assert lines[0] + "\n" == DELIVERY_LOG.header() and lines.count(lines[0]) == 1
+    assert [r["job_id"] for r in read_log(again.deliveries_path, DELIVERY_LOG)] == jobs
 
 
 def test_ipv6_loopback(tmp_path: Path) -> None:
@@ -356,6 +368,18 @@ def test_cli_refuses_a_port_in_use_with_exit_2(
         assert cli_main(["target", "--port", str(port), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "pick another --port" in err and err.count("\n") == 1
+
+
+def test_cli_refuses_a_log_with_other_columns_with_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    log = tmp_path / "deliveries" / "target-0.csv"
+    log.parent.mkdir()
+    log.write_text("job_id,when\nj,1\n")
+    assert cli_main(["target", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "use a new run directory" in err and err.count("\n") == 1
+    assert log.read_text() == "job_id,when\nj,1\n"
 
 
 def test_capacity_benchmark_runs_and_describes_itself() -> None:

@@ -7,16 +7,41 @@ Unless a test says otherwise: HTTP timeout 2 s, lease 10 s, backoff base 1 s wit
 
 from __future__ import annotations
 
+import csv
+import io
 import json
+from collections import Counter
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from reports.bench_checker import RunBuilder, build_synthetic
+from reports.bench_checker import (
+    LineWriter,
+    RunBuilder,
+    build_synthetic,
+    history_files,
+    write_log,
+)
 from reports.checker import COUNT_KEYS, VIOLATION_KEYS, Verdict, check_run, write_verdict
-from reports.history import HistoryError
+from reports.history import (
+    DELIVERY_LOG,
+    ENQUEUE_LOG,
+    FINAL_JOBS_LOG,
+    WORKER_LOG,
+    HistoryError,
+    LogFormat,
+    read_log,
+)
+
+LOGS: dict[str, LogFormat] = {"enqueues.csv": ENQUEUE_LOG, "final_jobs.csv": FINAL_JOBS_LOG,
+                              "deliveries": DELIVERY_LOG, "workers": WORKER_LOG}
+
+
+def log_of(path: Path) -> LogFormat:
+    return LOGS.get(path.name) or LOGS[path.parent.name]
 
 SUCCEED: dict[str, Any] = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None,
                            "then": {"behaviour": "ok"}}
@@ -132,6 +157,43 @@ def test_synthetic_benchmark_history_is_valid(tmp_path: Path) -> None:
     assert verdict.counts["delivered"] == mix["deliveries"]
     assert verdict.counts["duplicate_explained"] == mix["jobs_duplicate"]
     assert verdict.counts["failed"] == mix["jobs_dead"]
+
+
+def test_builder_writes_what_the_log_format_writes(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The builder formats lines itself, for speed: every line of a synthetic history, and
+    of records with values it cannot take the fast way, is byte for byte what
+    `LogFormat.line` writes for the same record, and the files read back."""
+    fast = LineWriter.line
+    compared: Counter[str] = Counter()
+
+    def compare(self: LineWriter, record: Mapping[str, Any]) -> str:
+        line = fast(self, record)
+        assert line == self.log.line(record), record
+        compared[self.log.what] += 1
+        return line
+
+    monkeypatch.setattr(LineWriter, "line", compare)
+    run_dir = tmp_path / "run"
+    build_synthetic(run_dir, 300, seed=3)
+    b = RunBuilder()
+    b.enqueue('a,"b"', script=ALWAYS_HANG, account="acct\nnext")
+    b.event("renew", "worker-0", 107.0, job_id="a", attempt=1, lost=True)
+    b.event("stop", "worker-0", 108.0, reason='error: "boom", again')
+    b.deliver("a", attempt=1, received=100.0, answered=None, worker="worker,0",
+              behaviour="hang_forever")
+    b.final("a", "FAILED")
+    b.write(run_dir / "more")
+    assert set(compared) == {"enqueue", "delivery", "worker event", "final job state"}
+    assert sum(compared.values()) > 1000
+    logs = [p for p in history_files(run_dir) if p.suffix == ".csv"]
+    assert len(logs) == 11
+    for path in logs:
+        log = log_of(path)
+        written = path.read_text().splitlines(keepends=True)
+        assert len(written) > 1, path
+        assert written[0] == log.header()
+        assert written[1:] == [log.line(r) for r in read_log(path, log)], path
 
 
 # --------------------------------------------------------------------------------------------
@@ -625,9 +687,24 @@ def test_mixed_history_counts_each_anomaly(tmp_path: Path) -> None:
     }
 
 
+def rewrite_csv(path: Path, *, quote_all: bool = False, extra: str | None = None) -> None:
+    """Rewrite a CSV log with its columns in reverse order, every field quoted or not, and
+    maybe a column no reader knows (holding `extra`)."""
+    rows = list(csv.reader(io.StringIO(path.read_text())))
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n",
+                        quoting=csv.QUOTE_ALL if quote_all else csv.QUOTE_MINIMAL)
+    for number, row in enumerate(rows):
+        if extra is not None:
+            row = [*row, "note" if number == 0 else extra]
+        writer.writerow(row[::-1])
+    path.write_text(out.getvalue())
+
+
 def test_layout_does_not_change_the_verdict(tmp_path: Path) -> None:
-    """The same history written compactly (the writers' layout), pretty-printed with
-    reordered keys, and with blank lines between records (read line by line) gets the same
+    """The same history as the writers lay it out, with its columns in another order and a
+    column no reader knows (its values quoted, with commas and quotes), with every field
+    quoted, and with blank lines between records (read line by line) gets the same
     verdict."""
     b = RunBuilder(account_limits={"acct-0": 1})
     _redelivered(b, first_write="info")
@@ -638,15 +715,18 @@ def test_layout_does_not_change_the_verdict(tmp_path: Path) -> None:
     b.final("early", "COMPLETED", attempts=2)
     b.fault("kill_worker", 100.2, None, target="worker-0")
     compact = b.write(tmp_path / "compact")
-    spaced = b.write(tmp_path / "spaced")
+    reordered = b.write(tmp_path / "reordered")
+    quoted = b.write(tmp_path / "quoted")
     blank = b.write(tmp_path / "blank")
-    for path in spaced.rglob("*.jsonl"):
-        lines = [json.loads(line) for line in path.read_text().splitlines()]
-        path.write_text("".join(
-            json.dumps(dict(reversed(list(r.items())))) + "\n" for r in lines))
-    for path in blank.rglob("*.jsonl"):
+    for path in reordered.rglob("*.csv"):
+        rewrite_csv(path, extra='said "hi", then left')
+    for path in quoted.rglob("*.csv"):
+        rewrite_csv(path, quote_all=True)
+    for path in blank.rglob("*.csv"):
         path.write_text("".join(line + "\n\n" for line in path.read_text().splitlines()))
-    verdicts = [check_run([d]) for d in (compact, spaced, blank)]
+    assert (reordered / "deliveries" / "target-0.csv").read_text().startswith(
+        "note,account_in_flight,seen,")
+    verdicts = [check_run([d]) for d in (compact, reordered, quoted, blank)]
     for other in verdicts[1:]:
         assert other.counts == verdicts[0].counts
         assert other.examples == verdicts[0].examples
@@ -683,11 +763,34 @@ def test_bad_line_after_blank_lines_is_named(tmp_path: Path) -> None:
     b = RunBuilder()
     succeed_once(b, "a", 100.0)
     run_dir = b.write(tmp_path / "run")
-    path = run_dir / "deliveries" / "target-0.jsonl"
-    path.write_text(path.read_text() + "\n" + '{"job_id": "a", "attempt": "one"}\n')
-    with pytest.raises(HistoryError, match=r"target-0\.jsonl:3: delivery field attempt is "
+    path = run_dir / "deliveries" / "target-0.csv"
+    path.write_text(path.read_text() + "\n" + "a,one,acct-0,worker-0,target-0,101,101.1,200,"
+                    "ok,2,1\n")
+    with pytest.raises(HistoryError, match=r"target-0\.csv:4: delivery field attempt is "
                        "not a number"):
         check_run([run_dir])
+
+
+def test_text_with_separators_and_line_breaks_reads_back(tmp_path: Path) -> None:
+    """A worker's error text with a comma, quotes and a line break is quoted and escaped
+    in the log, and the explanation quotes it as the worker wrote it, whether the file is
+    parsed whole or line by line."""
+    error = 'server said "bye", then\nclosed'
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED)
+    b.attempt(JOB, 1, claimed=100.0, worker="worker-0", write=None)
+    b.event("write", "worker-0", 100.02, job_id=JOB, attempt=1, outcome="success",
+            result="info", error=error)
+    b.attempt(JOB, 2, claimed=110.5, worker="worker-1")
+    b.final(JOB, "COMPLETED", attempts=2)
+    run_dir = b.write(tmp_path / "run")
+    log = run_dir / "workers" / "worker-0.csv"
+    assert '"server said ""bye"", then\\nclosed"' in log.read_text()
+    whole = check_run([run_dir])
+    log.write_text(log.read_text() + "\n")
+    by_line = check_run([run_dir])
+    assert whys(whole, "duplicate_explained") == whys(by_line, "duplicate_explained") == [
+        f"connection lost during the result write of attempt 1 by worker-0 ({error})"]
 
 
 def test_examples_are_capped_at_ten(tmp_path: Path) -> None:
@@ -712,16 +815,18 @@ def test_several_directories_merge_targets_and_workers(tmp_path: Path) -> None:
     other_dir = tmp_path / "host-2"
     (other_dir / "deliveries").mkdir(parents=True)
     (other_dir / "workers").mkdir()
-    (other_dir / "deliveries" / "target-1.jsonl").write_text(
-        "\n".join(other.deliveries["target-0"]) + "\n")
-    (other_dir / "workers" / "worker-9.jsonl").write_text(
-        "\n".join(other.workers["worker-9"]) + "\n")
+    write_log(other_dir / "deliveries" / "target-1.csv", DELIVERY_LOG,
+              other.deliveries["target-0"])
+    write_log(other_dir / "workers" / "worker-9.csv", WORKER_LOG, other.workers["worker-9"])
+    # A target that received nothing: its log is its header alone.
+    write_log(other_dir / "deliveries" / "target-2.csv", DELIVERY_LOG, [])
     alone = check_run([run_dir])
     assert anomalies(alone) == {"lost": 1, "state_mismatch": 1}
     merged = check_run([run_dir, other_dir])
     assert merged.valid is True
     assert merged.counts["delivered"] == 2
-    assert str(other_dir / "deliveries" / "target-1.jsonl") in merged.files
+    assert str(other_dir / "deliveries" / "target-1.csv") in merged.files
+    assert str(other_dir / "deliveries" / "target-2.csv") in merged.files
 
 
 # --------------------------------------------------------------------------------------------
@@ -755,12 +860,34 @@ def test_truncated_log_is_unknown(tmp_path: Path) -> None:
     b = RunBuilder()
     succeed_once(b, "a", 100.0)
     run_dir = b.write(tmp_path / "run")
-    with (run_dir / "deliveries" / "target-0.jsonl").open("a") as fh:
-        fh.write('{"job_id": "a", "rec')
+    with (run_dir / "deliveries" / "target-0.csv").open("a") as fh:
+        fh.write("a,2,acct-0,wor")
     verdict = check_run([run_dir])
     assert verdict.valid == "unknown"
+    assert verdict.counts["delivered"] == 1
     assert verdict.unknown_reasons == (
-        f"{run_dir / 'deliveries' / 'target-0.jsonl'} is truncated mid-line",)
+        f"{run_dir / 'deliveries' / 'target-0.csv'} is truncated mid-line",)
+
+
+def test_log_cut_off_in_its_header_is_unknown(tmp_path: Path) -> None:
+    """A worker that died while its log's header was being written left no event: judged
+    on the rest, and unknown."""
+    b = RunBuilder()
+    succeed_once(b, "a", 100.0)
+    run_dir = b.write(tmp_path / "run")
+    log = run_dir / "workers" / "worker-7.csv"
+    log.write_text(WORKER_LOG.header()[:9])
+    verdict = check_run([run_dir])
+    assert verdict.valid == "unknown"
+    assert verdict.counts["delivered"] == 1
+    assert verdict.unknown_reasons == (f"{log} is truncated mid-line",)
+
+
+def test_header_only_enqueues_are_nothing_to_judge(tmp_path: Path) -> None:
+    run_dir = RunBuilder().write(tmp_path / "run")
+    assert (run_dir / "enqueues.csv").read_text() == ENQUEUE_LOG.header()
+    verdict = check_run([run_dir])
+    assert verdict.unknown_reasons == ("no job was enqueued: there is nothing to judge",)
 
 
 def test_interrupted_run_is_unknown(tmp_path: Path) -> None:
@@ -814,19 +941,36 @@ def test_missing_nemesis_file_means_no_faults(tmp_path: Path) -> None:
     ("damage", "message"),
     [
         (lambda d: (d / "run.json").unlink(), "run.json is missing"),
-        (lambda d: (d / "final_jobs.jsonl").unlink(), "final_jobs.jsonl is missing"),
+        (lambda d: (d / "final_jobs.csv").unlink(), "final_jobs.csv is missing"),
         (lambda d: (d / "deliveries").rename(d / "x"), "deliveries/ is missing"),
-        (lambda d: (d / "enqueues.jsonl").write_text('{"type": "invoke"\n'),
-         "enqueues.jsonl:1 is not valid JSON"),
-        (lambda d: (d / "enqueues.jsonl").write_text('{"type": "invoke", "job_id": "x"}\n'),
-         "invoke needs max_attempts"),
+        (lambda d: append(d / "enqueues.csv", "invoke,x,1.0\n"),
+         r"enqueues\.csv:4 has 3 fields, the header 17"),
+        (lambda d: append(d / "enqueues.csv", 'invoke,"x,1.0\n'),
+         r"enqueues\.csv:4 is not a CSV line"),
+        (lambda d: append(d / "enqueues.csv", ENQUEUE_LOG.line(
+            {"type": "invoke", "job_id": "x", "time": 1.0, "process": "p"})),
+         r"enqueues\.csv:4: invoke needs max_attempts"),
         (lambda d: (d / "run.json").write_text('{"drained": true}'), "run.json lacks"),
         (lambda d: (d / "nemesis.jsonl").write_text(
             '{"fault": "meteor", "start": 1.0, "end": null}\n'), "unknown fault kind"),
-        (lambda d: (d / "deliveries" / "target-0.jsonl").write_text(
-            '{"job_id": "a", "received": "soon"}\n'), "field received is not a number"),
-        (lambda d: (d / "final_jobs.jsonl").write_text('{"job_id": "a", "status": "DONE"}\n'),
-         "unknown job status"),
+        (lambda d: (d / "nemesis.jsonl").write_text('{"fault": "kill_worker"\n'),
+         r"nemesis\.jsonl:1 is not valid JSON"),
+        (lambda d: append(d / "deliveries" / "target-0.csv",
+                          "a,1,acct-0,worker-0,target-0,soon,,,ok,1,1\n"),
+         r"target-0\.csv:3: delivery field received is not a number"),
+        (lambda d: append(d / "workers" / "worker-0.csv", WORKER_LOG.line(
+            {"kind": "renew", "worker": "worker-0", "time": 1.0, "data": {"lost": "yes"}})),
+         r"worker-0\.csv:5: worker event field lost is not true or false"),
+        (lambda d: append(d / "final_jobs.csv", "a,acct-0,DONE,1,3,,,,\n"),
+         r"final_jobs\.csv:3: unknown job status 'DONE'"),
+        (lambda d: (d / "deliveries" / "target-0.csv").write_text(
+            "a,1,acct-0,worker-0,target-0,1.0,1.1,200,ok,1,1\n"),
+         r"target-0\.csv:1 is not a header of delivery columns"),
+        (lambda d: (d / "deliveries" / "target-0.csv").write_text("job_id,attempt\na,1\n"),
+         r"target-0\.csv:1: the header has no received column"),
+        (lambda d: (d / "workers" / "worker-0.csv").write_text(
+            WORKER_LOG.header().replace("kind,", "")),
+         r"worker-0\.csv:1: the header has no kind column"),
     ],
 )
 def test_bad_input_raises_history_error(tmp_path: Path, damage: Any, message: str) -> None:
@@ -836,6 +980,11 @@ def test_bad_input_raises_history_error(tmp_path: Path, damage: Any, message: st
     damage(run_dir)
     with pytest.raises(HistoryError, match=message):
         check_run([run_dir])
+
+
+def append(path: Path, text: str) -> None:
+    with path.open("a") as fh:
+        fh.write(text)
 
 
 def test_write_verdict(tmp_path: Path) -> None:
@@ -1061,8 +1210,8 @@ def test_final_snapshot_smaller_than_recorded_is_unknown(tmp_path: Path) -> None
     verdict = _snapshot(RunBuilder(), tmp_path, 3)
     assert verdict.valid == "unknown"
     assert verdict.unknown_reasons == (
-        "final snapshot incomplete: run.json says 3 rows, final_jobs.jsonl has 1",
-        "2 acknowledged jobs have no row in final_jobs.jsonl and the snapshot is not known "
+        "final snapshot incomplete: run.json says 3 rows, final_jobs.csv has 1",
+        "2 acknowledged jobs have no row in final_jobs.csv and the snapshot is not known "
         "to be whole",
     )
 
@@ -1071,7 +1220,7 @@ def test_missing_final_rows_without_a_recorded_count_are_unknown(tmp_path: Path)
     verdict = _snapshot(RunBuilder(), tmp_path, None)
     assert verdict.valid == "unknown"
     assert verdict.unknown_reasons == (
-        "2 acknowledged jobs have no row in final_jobs.jsonl and the snapshot is not known "
+        "2 acknowledged jobs have no row in final_jobs.csv and the snapshot is not known "
         "to be whole",)
 
 
@@ -1131,19 +1280,27 @@ def test_call_made_after_its_lease_ran_out_holds_no_slot(tmp_path: Path) -> None
                "slot"}]}
 
 
-def test_request_without_a_job_id_is_unexpected(tmp_path: Path) -> None:
+@pytest.mark.parametrize("blank_line", [False, True])
+def test_request_without_a_job_id_is_unexpected(tmp_path: Path, blank_line: bool) -> None:
+    """The target logs an empty job id, which reads as null: an unexpected delivery, whether
+    the file is parsed whole or (after a blank line) line by line."""
     b = RunBuilder()
     succeed_once(b, "a", 100.0)
     b.deliver("", attempt=None, received=101.0, answered=101.0, status=400, worker=None,
               account=None, behaviour="bad_request")
-    verdict = check(b, tmp_path)
+    run_dir = b.write(tmp_path / "run")
+    log = run_dir / "deliveries" / "target-0.csv"
+    assert log.read_text().splitlines()[2].startswith(",,,,target-0,101.0,")
+    if blank_line:
+        append(log, "\n")
+    verdict = check_run([run_dir])
     assert anomalies(verdict) == {"unexpected": 1}
     assert verdict.examples["unexpected"] == [
         {"job_id": "", "why": "a request without a job id header at 101.000 (target target-0)"}]
 
 
 def test_enqueues_of_every_directory_are_merged(tmp_path: Path) -> None:
-    """A producer on another machine wrote its own enqueues.jsonl."""
+    """A producer on another machine wrote its own enqueues.csv."""
     main = RunBuilder()
     main.enqueue("here", script=SUCCEED)
     main.attempt("here", 1, claimed=100.0)
@@ -1156,14 +1313,14 @@ def test_enqueues_of_every_directory_are_merged(tmp_path: Path) -> None:
     other.enqueue("gone", script=SUCCEED)
     other_dir = tmp_path / "producer-2"
     other_dir.mkdir()
-    (other_dir / "enqueues.jsonl").write_text("\n".join(other.enqueues) + "\n")
+    write_log(other_dir / "enqueues.csv", ENQUEUE_LOG, other.enqueues)
     alone = check_run([run_dir])
     assert anomalies(alone) == {"unexpected": 1}
     merged = check_run([run_dir, other_dir])
     assert merged.counts["enqueued"] == 3
     assert anomalies(merged) == {"lost": 1}
     assert [e["job_id"] for e in merged.examples["lost"]] == ["gone"]
-    assert str(other_dir / "enqueues.jsonl") in merged.files
+    assert str(other_dir / "enqueues.csv") in merged.files
 
 
 def test_early_retry_after_a_timeout_counts_from_the_workers_end_of_the_call(

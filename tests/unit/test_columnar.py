@@ -1,11 +1,10 @@
-"""The columnar cache of parsed history files: a second check reads it instead of the JSON,
-a changed file invalidates it, a truncated, racy or line-by-line file is never cached, and
-the cache never changes a verdict nor makes a check fail."""
+"""The columnar cache of parsed history files: a second check reads it instead of parsing
+the logs, a changed file invalidates it, a truncated, racy or line-by-line file is never
+cached, and the cache never changes a verdict nor makes a check fail."""
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import time
 from pathlib import Path
@@ -15,15 +14,15 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import pytest
 
 from reports import checker, columnar
-from reports.bench_checker import RunBuilder
+from reports.bench_checker import RunBuilder, history_files, write_log
 from reports.checker import check_run
-from reports.history import DELIVERIES_DIR, ENQUEUES_FILE, WORKERS_DIR
+from reports.history import DELIVERIES_DIR, DELIVERY_LOG, ENQUEUES_FILE, WORKERS_DIR
 
 SUCCEED: dict[str, Any] = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None,
                            "then": {"behaviour": "ok"}}
 FAIL_ONCE: dict[str, Any] = {"name": "custom", "first": {"behaviour": "status", "status": 503},
                              "times": 1, "then": {"behaviour": "ok"}}
-DELIVERIES = f"{DELIVERIES_DIR}/target-0.jsonl"
+DELIVERIES = f"{DELIVERIES_DIR}/target-0.csv"
 
 
 def anomalous(tmp_path: Path, name: str = "run") -> Path:
@@ -48,7 +47,7 @@ def anomalous(tmp_path: Path, name: str = "run") -> Path:
 def age(run_dir: Path, seconds: float = 60.0) -> None:
     """Date every history file `seconds` back: a file that was just written is not cached."""
     when = time.time() - seconds
-    for path in run_dir.rglob("*.jsonl"):
+    for path in history_files(run_dir):
         os.utime(path, (when, when))
 
 
@@ -64,12 +63,14 @@ def cached_files(run_dir: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*" + columnar.SUFFIX)}
 
 
-def no_json_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+def no_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("the JSON parser was called")
+        raise AssertionError("a log was parsed")
 
+    monkeypatch.setattr("pyarrow.csv.read_csv", refuse)
     monkeypatch.setattr("pyarrow.json.read_json", refuse)
-    monkeypatch.setattr(checker, "_parse_slow", refuse)
+    monkeypatch.setattr(checker, "_parse_csv_slow", refuse)
+    monkeypatch.setattr(checker, "_parse_json_slow", refuse)
 
 
 def test_second_check_reads_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,12 +78,12 @@ def test_second_check_reads_the_cache(tmp_path: Path, monkeypatch: pytest.Monkey
     first = check_run([run_dir])
     assert first.valid is False
     assert cached_files(run_dir) == {
-        ENQUEUES_FILE + ".arrow", DELIVERIES + ".arrow", "final_jobs.jsonl.arrow",
-        "nemesis.jsonl.arrow", f"{WORKERS_DIR}/worker-0.jsonl.arrow",
-        f"{WORKERS_DIR}/worker-1.jsonl.arrow",
+        ENQUEUES_FILE + ".arrow", DELIVERIES + ".arrow", "final_jobs.csv.arrow",
+        "nemesis.jsonl.arrow", f"{WORKERS_DIR}/worker-0.csv.arrow",
+        f"{WORKERS_DIR}/worker-1.csv.arrow",
     }
     stamps = {p: p.stat().st_mtime_ns for p in (run_dir / columnar.CACHE_DIR).rglob("*")}
-    no_json_parsing(monkeypatch)
+    no_parsing(monkeypatch)
     second = check_run([run_dir])
     assert judged(second) == judged(first)
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
@@ -90,9 +91,10 @@ def test_second_check_reads_the_cache(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_cache_mirrors_the_run_directory(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    assert columnar.cache_path(run / WORKERS_DIR / "worker-0.jsonl") == (
-        run / ".cache" / WORKERS_DIR / "worker-0.jsonl.arrow")
-    assert columnar.cache_path(run / ENQUEUES_FILE) == run / ".cache" / "enqueues.jsonl.arrow"
+    assert columnar.cache_path(run / WORKERS_DIR / "worker-0.csv") == (
+        run / ".cache" / WORKERS_DIR / "worker-0.csv.arrow")
+    assert columnar.cache_path(run / ENQUEUES_FILE) == run / ".cache" / "enqueues.csv.arrow"
+    assert columnar.cache_path(run / "nemesis.jsonl") == run / ".cache" / "nemesis.jsonl.arrow"
 
 
 def test_verdict_is_the_same_with_and_without_cache(tmp_path: Path) -> None:
@@ -113,14 +115,15 @@ def test_appended_line_invalidates_the_cache(tmp_path: Path) -> None:
     log = run_dir / DELIVERIES
     # The lost job reaches the target after all: one more delivery the cache does not hold.
     with log.open("a") as fh:
-        fh.write(json.dumps({"job_id": "gone", "attempt": 1, "account": "acct-0",
-                             "worker": "worker-0", "target": "target-0", "received": 200.0,
-                             "answered": 200.01, "status": 200, "behaviour": "ok"}) + "\n")
+        fh.write(DELIVERY_LOG.line({"job_id": "gone", "attempt": 1, "account": "acct-0",
+                                    "worker": "worker-0", "target": "target-0",
+                                    "received": 200.0, "answered": 200.01, "status": 200,
+                                    "behaviour": "ok", "seen": 1, "account_in_flight": 1}))
     age(run_dir, 30.0)
     after = check_run([run_dir])
     assert after.counts["delivered"] == before.counts["delivered"] + 1
     # The rewritten cache now stands for the longer file: a third check agrees.
-    entry = columnar.lookup(log, (checker._DELIVERY_SCHEMA,))
+    entry = columnar.lookup(log, (checker._DELIVERIES.schema,))
     assert entry.table is not None
     assert entry.table.num_rows == after.counts["delivered"]
     assert judged(check_run([run_dir])) == judged(after)
@@ -130,11 +133,12 @@ def test_changed_schemas_or_version_miss(tmp_path: Path, monkeypatch: pytest.Mon
     run_dir = anomalous(tmp_path)
     check_run([run_dir])
     log = run_dir / DELIVERIES
-    assert columnar.lookup(log, (checker._DELIVERY_SCHEMA,)).table is not None
-    other = checker._DELIVERY_SCHEMA.append(pa.field("extra", pa.string()))
+    schema = checker._DELIVERIES.schema
+    assert columnar.lookup(log, (schema,)).table is not None
+    other = schema.append(pa.field("extra", pa.string()))
     assert columnar.lookup(log, (other,)).table is None
     monkeypatch.setattr(columnar, "FORMAT_VERSION", columnar.FORMAT_VERSION + 1)
-    assert columnar.lookup(log, (checker._DELIVERY_SCHEMA,)).table is None
+    assert columnar.lookup(log, (schema,)).table is None
 
 
 def test_truncated_file_is_not_cached_and_stays_unknown(tmp_path: Path) -> None:
@@ -144,7 +148,7 @@ def test_truncated_file_is_not_cached_and_stays_unknown(tmp_path: Path) -> None:
     b.final("a", "COMPLETED")
     run_dir = b.write(tmp_path / "run")
     log = run_dir / DELIVERIES
-    log.write_bytes(log.read_bytes() + b'{"job_id": "b", "att')
+    log.write_bytes(log.read_bytes() + b"b,1,acc")
     age(run_dir)
     verdicts = [check_run([run_dir]) for _ in range(2)]
     for verdict in verdicts:
@@ -228,13 +232,13 @@ def test_each_run_directory_gets_its_own_cache(tmp_path: Path,
     extra.deliver("dup", attempt=3, received=300.0, answered=300.01, target="target-1")
     extra_dir = tmp_path / "extra"
     (extra_dir / DELIVERIES_DIR).mkdir(parents=True)
-    extra_log = extra_dir / DELIVERIES_DIR / "target-1.jsonl"
-    extra_log.write_text("\n".join(extra.deliveries["target-1"]) + "\n")
+    write_log(extra_dir / DELIVERIES_DIR / "target-1.csv", DELIVERY_LOG,
+              extra.deliveries["target-1"])
     age(extra_dir)
     alone = check_run([main])
     first = check_run([main, extra_dir])
     assert first.counts["delivered"] == alone.counts["delivered"] + 1
-    assert cached_files(extra_dir) == {f"{DELIVERIES_DIR}/target-1.jsonl.arrow"}
-    assert f"{DELIVERIES_DIR}/target-1.jsonl.arrow" not in cached_files(main)
-    no_json_parsing(monkeypatch)
+    assert cached_files(extra_dir) == {f"{DELIVERIES_DIR}/target-1.csv.arrow"}
+    assert f"{DELIVERIES_DIR}/target-1.csv.arrow" not in cached_files(main)
+    no_parsing(monkeypatch)
     assert judged(check_run([main, extra_dir])) == judged(first)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reports.history import DELIVERIES_DIR, ENQUEUES_FILE, JsonlWriter
+from reports.history import DELIVERIES_DIR, DELIVERY_LOG, ENQUEUE_LOG, ENQUEUES_FILE, LogWriter
 from scenarios.progress import Sampler, _table
 
 
@@ -13,12 +13,12 @@ def _delivery(job: str, account: str, in_flight: int) -> dict[str, object]:
 
 
 def test_sampler_counts_what_the_target_log_already_shows(tmp_path: Path) -> None:
-    with JsonlWriter(tmp_path / ENQUEUES_FILE) as enq:
+    with LogWriter(tmp_path / ENQUEUES_FILE, ENQUEUE_LOG) as enq:
         for job in ("a", "b"):
             enq.write({"type": "invoke", "job_id": job, "max_attempts": 2})
             enq.write({"type": "ok", "job_id": job})
     sampler = Sampler(tmp_path, dsn=None, schema="s", limits={"acme": 2, "free": None})
-    with JsonlWriter(tmp_path / DELIVERIES_DIR / "t.jsonl") as dels:
+    with LogWriter(tmp_path / DELIVERIES_DIR / "t.csv", DELIVERY_LOG) as dels:
         dels.write(_delivery("a", "acme", 1))
         dels.write(_delivery("a", "acme", 2))
         dels.write(_delivery("a", "acme", 3))  # third of max 2, and above acme's limit
@@ -33,9 +33,32 @@ def test_sampler_counts_what_the_target_log_already_shows(tmp_path: Path) -> Non
 
 
 def test_a_clean_history_shows_no_anomaly(tmp_path: Path) -> None:
-    with JsonlWriter(tmp_path / ENQUEUES_FILE) as enq:
+    with LogWriter(tmp_path / ENQUEUES_FILE, ENQUEUE_LOG) as enq:
         enq.write({"type": "invoke", "job_id": "a", "max_attempts": 3})
-    with JsonlWriter(tmp_path / DELIVERIES_DIR / "t.jsonl") as dels:
+    with LogWriter(tmp_path / DELIVERIES_DIR / "t.csv", DELIVERY_LOG) as dels:
         dels.write(_delivery("a", "acme", 1))
     sample = Sampler(tmp_path, dsn=None, schema="s", limits={"acme": 1}).sample("load")
     assert (sample.unexpected, sample.over_attempts, sample.over_limit) == (0, 0, 0)
+
+
+def test_a_line_still_being_written_is_read_once_it_is_whole(tmp_path: Path) -> None:
+    # An account id with a comma and a quote: the fields that follow it stay in their columns.
+    account = 'a,"b"'
+    with LogWriter(tmp_path / ENQUEUES_FILE, ENQUEUE_LOG) as enq:
+        enq.write({"type": "invoke", "job_id": "a", "max_attempts": 1, "account": account})
+    sampler = Sampler(tmp_path, dsn=None, schema="s", limits={account: 1})
+    log = tmp_path / DELIVERIES_DIR / "t.csv"
+    with LogWriter(log, DELIVERY_LOG) as dels:
+        dels.write(_delivery("a", account, 2))  # above its limit of 1
+    line = DELIVERY_LOG.line(_delivery("a", account, 1)).encode()  # over max_attempts 1
+    assert account.encode() not in line  # it is quoted
+
+    with log.open("ab") as fh:
+        fh.write(line[:5])
+    first = sampler.sample("load")
+    assert (first.delivered, first.over_limit, first.over_attempts) == (1, 1, 0)
+    with log.open("ab") as fh:
+        fh.write(line[5:])
+    second = sampler.sample("load")
+    assert (second.delivered, second.over_limit, second.over_attempts) == (2, 1, 1)
+    assert second.delivered_ok == 2 and second.duplicates == 1

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from chaos.target import _parse_script, check_host, check_name, url_for
+from chaos.target import _parse_script, check_host, check_name, deliveries_path, url_for
 from reports.history import Behaviour, JobScript, Step
 
 
@@ -46,6 +47,10 @@ def test_names_that_would_not_make_a_safe_file_name_are_refused(name: str) -> No
 def test_url_brackets_ipv6() -> None:
     assert url_for("127.0.0.1", 8080) == "http://127.0.0.1:8080"
     assert url_for("::1", 8080) == "http://[::1]:8080"
+
+
+def test_each_target_logs_to_its_own_csv_file() -> None:
+    assert deliveries_path(Path("run"), "target-1") == Path("run/deliveries/target-1.csv")
 
 
 def test_script_round_trips_from_the_payload() -> None:

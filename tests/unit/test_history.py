@@ -1,0 +1,171 @@
+"""The CSV logs of the run directory: what a writer puts on a line is what a reader gets back,
+whatever the text holds, and a log that is damaged or foreign is refused, never half read."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reports.history import (
+    DELIVERY_LOG,
+    ENQUEUE_LOG,
+    FINAL_JOBS_LOG,
+    WORKER_LOG,
+    Delivery,
+    EnqueueOp,
+    HistoryError,
+    LogWriter,
+    WorkerEvent,
+    read_log,
+    to_record,
+)
+
+SCRIPT = {"name": "fail-then-ok", "first": {"behaviour": "status", "status": 503}, "times": 2,
+          "then": {"behaviour": "ok"}}
+
+
+def test_enqueue_round_trip_rebuilds_the_script(tmp_path: Path) -> None:
+    path = tmp_path / "enqueues.csv"
+    invoke = EnqueueOp(type="invoke", job_id="j-1", time=1.25, process="producer-0",
+                       account="acct-1", target_url="http://127.0.0.1:9/deliver",
+                       script=SCRIPT, max_attempts=3)
+    answer = EnqueueOp(type="info", job_id="j-1", time=1.5, process="producer-0",
+                       error='server closed, "unexpectedly"\nduring COMMIT')
+    with LogWriter(path, ENQUEUE_LOG) as writer:
+        writer.write(invoke)
+        writer.write(answer)
+    assert list(read_log(path, ENQUEUE_LOG)) == [to_record(invoke), to_record(answer)]
+    assert path.read_text().splitlines()[0].startswith("type,job_id,time,")
+    assert len(path.read_text().splitlines()) == 3  # the line break stayed inside its field
+
+
+def test_worker_event_fields_become_columns_and_come_back(tmp_path: Path) -> None:
+    path = tmp_path / "worker-0.csv"
+    events = [
+        WorkerEvent(kind="start", worker="worker-0", time=1.0, data={"pid": 4242}),
+        WorkerEvent(kind="claim", worker="worker-0", time=1.5, job_id="j", attempt=1,
+                    data={"lease_token": "t-1", "locked_until": "2026-11-30T04:00:10+00:00"}),
+        WorkerEvent(kind="http", worker="worker-0", time=2.0, job_id="j", attempt=1,
+                    data={"start": 1.5, "end": 2.0, "result": "ok", "status": 200}),
+        WorkerEvent(kind="renew", worker="worker-0", time=2.5, job_id="j", attempt=1,
+                    data={"lost": True}),
+        WorkerEvent(kind="write", worker="worker-0", time=3.0, job_id="j", attempt=1,
+                    data={"outcome": "success", "result": "applied", "started": 2.9}),
+        WorkerEvent(kind="recover", worker="worker-0", time=3.5, data={"count": 2}),
+        WorkerEvent(kind="failpoint", worker="worker-0", time=4.0, job_id="j", attempt=2,
+                    data={"name": "crash_after_http"}),
+        WorkerEvent(kind="stop", worker="worker-0", time=5.0, data={"reason": "drained"}),
+    ]
+    with LogWriter(path, WORKER_LOG) as writer:
+        for event in events:
+            writer.write(event)
+    assert list(read_log(path, WORKER_LOG)) == [to_record(e) for e in events]
+
+
+def test_a_field_without_a_column_is_refused(tmp_path: Path) -> None:
+    with LogWriter(tmp_path / "w.csv", WORKER_LOG) as writer, \
+            pytest.raises(ValueError, match=r"no column.*'surprise'"):
+        writer.write(WorkerEvent(kind="start", worker="w", time=1.0, data={"surprise": 1}))
+
+
+def test_final_jobs_keep_extra_as_json(tmp_path: Path) -> None:
+    path = tmp_path / "final_jobs.csv"
+    row = {"job_id": "j", "account_id": "a", "status": "FAILED", "attempts": 3,
+           "max_attempts": 3, "last_error": "HTTP 400", "locked_until": None,
+           "next_attempt_at": 12.5, "extra": {"priority": 1, "tags": ["x", "y"]}}
+    with LogWriter(path, FINAL_JOBS_LOG) as writer:
+        writer.write(row)
+    assert list(read_log(path, FINAL_JOBS_LOG)) == [row]
+
+
+text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1)
+
+
+@settings(max_examples=500)
+@given(job_id=text, account=text, worker=text, behaviour=text)
+def test_any_text_survives_a_delivery_line(tmp_path_factory: pytest.TempPathFactory,
+                                           job_id: str, account: str, worker: str,
+                                           behaviour: str) -> None:
+    path = tmp_path_factory.mktemp("log") / "target-0.csv"
+    delivery = Delivery(job_id=job_id, attempt=1, account=account, worker=worker,
+                        target="target-0", received=1.0, answered=None, status=None,
+                        behaviour=behaviour, seen=1, account_in_flight=1)
+    with LogWriter(path, DELIVERY_LOG) as writer:
+        writer.write(delivery)
+    [back] = read_log(path, DELIVERY_LOG)
+
+    def stored(value: str) -> str:
+        # The one lossy rule: a line break is stored as the two characters "\n", so those
+        # two characters read back as a line break too.
+        return value.replace("\r\n", "\n").replace("\r", "\n").replace("\\n", "\n")
+
+    assert back == {**to_record(delivery), "job_id": stored(job_id), "account": stored(account),
+                    "worker": stored(worker), "behaviour": stored(behaviour)}
+
+
+def test_a_file_of_another_format_is_not_appended_to(tmp_path: Path) -> None:
+    path = tmp_path / "log.csv"
+    LogWriter(path, DELIVERY_LOG).close()
+    with pytest.raises(HistoryError, match="other columns"):
+        LogWriter(path, WORKER_LOG)
+    assert path.read_text() == DELIVERY_LOG.header()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", None),
+        ("job_id,attempt\n" "a,1\n" "b,2", r"log\.csv:3 is truncated mid-line"),
+        ("job_id,attempt\n" "a,1,extra\n", r"log\.csv:2 has 3 fields, the header 2"),
+        ("job_id,attempt\n" "a,one\n", r"log\.csv:2: delivery field attempt is not a number"),
+        ("what,ever\n" "a,1\n", r"log\.csv:1 is not a header of delivery columns"),
+        ('job_id,attempt\n' '"a,1\n', r"log\.csv:2 (is not a CSV line|has 1 fields)"),
+    ],
+)
+def test_damaged_logs_name_the_line(tmp_path: Path, content: str, message: str | None) -> None:
+    path = tmp_path / "log.csv"
+    path.write_text(content)
+    if message is None:
+        assert list(read_log(path, DELIVERY_LOG)) == []
+        return
+    with pytest.raises(HistoryError, match=message):
+        list(read_log(path, DELIVERY_LOG))
+
+
+def test_columns_are_found_by_name(tmp_path: Path) -> None:
+    """Another writer's column order, an unknown column and a missing one all read."""
+    path = tmp_path / "log.csv"
+    path.write_text("status,job_id,future_column\n200,a,x\n\n")
+    [row] = read_log(path, DELIVERY_LOG)
+    assert row["job_id"] == "a" and row["status"] == 200 and row["attempt"] is None
+    assert "future_column" not in row
+
+
+_WRITE_MANY = """
+import sys
+from pathlib import Path
+from reports.history import ENQUEUE_LOG, EnqueueOp, LogWriter
+name, count = sys.argv[1], int(sys.argv[2])
+with LogWriter(Path(sys.argv[3]), ENQUEUE_LOG) as writer:
+    for i in range(count):
+        writer.write(EnqueueOp(type="ok", job_id=f"{name}-{i}", time=float(i), process=name))
+"""
+
+
+def test_processes_opening_one_log_at_once_write_one_header(tmp_path: Path) -> None:
+    path = tmp_path / "enqueues.csv"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITE_MANY, f"p{n}", "500", str(path)],
+                              env=env) for n in range(4)]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0, 0, 0]
+    assert path.read_text().count("type,job_id") == 1
+    rows: list[dict[str, Any]] = list(read_log(path, ENQUEUE_LOG))
+    assert sorted(r["job_id"] for r in rows) == sorted(f"p{n}-{i}" for n in range(4)
+                                                       for i in range(500))
