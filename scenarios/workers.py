@@ -31,12 +31,13 @@ from queue_impl.dispatcher import (
 from reports.history import (
     LOG_SUFFIX,
     WORKER_LOG,
+    HistoryError,
     LogWriter,
     WorkerEvent,
     parse_header,
     parse_row,
 )
-from scenarios.errors import HarnessError
+from scenarios.errors import HarnessError, UsageError
 
 _RECORD_FIELDS = ("job_id", "attempt")
 
@@ -89,12 +90,14 @@ def _die_with_parent() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _has_start_event(path: Path) -> bool:
-    """Whether the worker's log holds its `start` event: the first line after the header,
-    read only once it is whole (the worker may be writing it right now)."""
+def _has_start_event(path: Path, offset: int) -> bool:
+    """Whether the worker's log holds its `start` event: the first line written after
+    `offset` (where the log ended before the worker started), read only once it is whole
+    (the worker may be writing it right now)."""
     try:
         with path.open("rb") as fh:
             header = fh.readline()
+            fh.seek(max(offset, len(header)))
             first = fh.readline()
     except FileNotFoundError:
         return False
@@ -123,6 +126,7 @@ class WorkerPool:
         self.worker_ids = [f"{name_prefix}-{i}" for i in range(count)]
         self._context = multiprocess.get_context("spawn")
         self._processes: list[Any] = []
+        self._log_offsets: list[int] = []
 
     def events_path(self, worker_id: str) -> Path:
         return self.events_dir / f"{worker_id}{LOG_SUFFIX}"
@@ -133,6 +137,16 @@ class WorkerPool:
         if self._processes:
             return
         self.events_dir.mkdir(parents=True, exist_ok=True)
+        # Each log is opened here first: a log left by another version is refused before any
+        # process starts, and a reused log's earlier `start` events are skipped.
+        self._log_offsets = []
+        for worker_id in self.worker_ids:
+            path = self.events_path(worker_id)
+            try:
+                LogWriter(path, WORKER_LOG).close()
+            except HistoryError as exc:
+                raise UsageError(str(exc)) from None
+            self._log_offsets.append(path.stat().st_size)
         try:
             for worker_id in self.worker_ids:
                 process = self._context.Process(
@@ -153,7 +167,8 @@ class WorkerPool:
         waiting = set(range(len(self._processes)))
         while waiting:
             for index in sorted(waiting):
-                if _has_start_event(self.events_path(self.worker_ids[index])):
+                path = self.events_path(self.worker_ids[index])
+                if _has_start_event(path, self._log_offsets[index]):
                     waiting.discard(index)
                 elif not self._processes[index].is_alive():
                     raise HarnessError(

@@ -309,3 +309,17 @@ def test_crash_after_claim_failpoint_dies_before_any_http(
     assert deliveries(target) == []
     assert snapshot(spec)[job_id].status is JobStatus.PROCESSING
 
+
+def test_a_pool_started_again_on_its_old_logs_waits_for_its_own_start(
+    spec: BackendSpec, target: TargetProcess, tmp_path: Path
+) -> None:
+    config = config_for(target, batch=1)
+    for run in (1, 2):
+        pool = WorkerPool(spec, config, 1, tmp_path / "workers")
+        with pool:
+            # start() has returned: this run's own start event is in the log already.
+            kinds = [e["kind"] for e in events(pool.events_path("worker-0"))]
+            assert kinds.count("start") == run
+    path = pool.events_path("worker-0")
+    assert path.read_text().count("kind,worker,") == 1
+    assert [e["kind"] for e in events(path)] == ["start", "stop", "start", "stop"]

@@ -698,6 +698,24 @@ def test_fast_batch_mates_of_a_long_call_keep_their_leases_until_written(
     assert renewed == {str(j.id) for j in [slow, *fast]}
 
 
+def test_worker_command_refuses_an_event_log_of_another_format(
+    pg_dsn: str, fresh_schema: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from scenarios.cli import main
+
+    events_dir = tmp_path / "events"
+    events_dir.mkdir()
+    foreign = events_dir / "worker-0.csv"
+    foreign.write_text("when,what\n1,something\n")
+    argv = ["worker", "--dsn", pg_dsn, "--schema", fresh_schema, "--events-dir",
+            str(events_dir), "--workers", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "worker-0.csv was written with other columns" in err
+    assert err.count("\n") == 1
+    assert foreign.read_text() == "when,what\n1,something\n"
+
+
 def test_worker_command_with_a_bad_events_dir_leaves_the_database_untouched(
     pg_dsn: str, fresh_schema: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
