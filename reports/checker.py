@@ -18,7 +18,11 @@ the answer "unknown".
 Judging. Each job's oracle (`reports.oracle`) comes from its enqueue (script, max_attempts,
 account) and the run's configuration; the target's log says what was really delivered. The
 whole-run checks are vectorised with pandas; the few suspicious rows they find are then
-explained or not, one by one, against the recorded events (worker events and faults).
+explained or not, one by one, against the recorded events (worker events and faults). A
+job dead-lettered because attempts never reached the target (its worker recorded a timeout or
+connection error, the target no delivery of that attempt) is neither valid nor a violation:
+the worker is part of the system under test, so its word settles nothing, and the answer is
+"unknown" unless something else is violated.
 
 Timing tolerance: the target, the workers and the nemesis share one clock, but a worker logs
 an event a little after it happened, so time comparisons allow `tolerance_seconds`. Leases
@@ -1214,6 +1218,26 @@ class _Explainer:
                         f"of attempt {_label(d['attempt'])}")
         return None
 
+    def unreached(self, job: int, delivered: np.ndarray, max_attempts: int) -> list[int] | None:
+        """The attempts of a dead-lettered job that never reached the target: its worker
+        recorded an HTTP timeout or connection error for the attempt, and no delivery
+        (`delivered`: the attempt headers of the job's deliveries) is of that attempt.
+        Returned only when, with the attempts the target did see, they are exactly the
+        attempts 1 to `max_attempts`: a correct queue spends them all before it gives up on
+        a transient failure, so a job short of more than these was still given up on early,
+        and attempt numbers outside them are a queue that numbers wrongly. None as well when
+        a delivery has no attempt header to match (it may be one of those attempts)."""
+        if not (delivered == np.round(delivered)).all():  # NaN: no header
+            return None
+        reached = set(delivered.astype(np.int64).tolist())
+        unreached = sorted(
+            a for a in self.attempts_of.get(job, ()) if a not in reached and any(
+                r["kind"] == "http" and r["result"] in ("timeout", "connection_error")
+                for r in self.by_attempt[(job, a)]))
+        if unreached and reached.union(unreached) == set(range(1, max_attempts + 1)):
+            return unreached
+        return None
+
     def fault_touched(self, job: int, job_id: str) -> str | None:
         """A recorded fault that hit one of this job's attempts without a delivery to show
         for it (a crash after claim, a kill before the call), inside that attempt's lease
@@ -1620,13 +1644,26 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
             fault_consumed[j] = reason
         return fault_consumed[j]
 
+    # Dead-lettered after attempts that never reached the target: the worker is part of the
+    # system under test, so its word that the call failed to connect can be neither trusted
+    # nor refuted. Such a job is neither valid nor a violation: it makes the answer unknown.
+    unreached_of: dict[int, list[int] | None] = {}
+
+    def unreached(j: int) -> bool:
+        """Whether attempts that never reached the target account for all the job is short
+        of (looked up only for the few dead-lettered jobs no fault explains)."""
+        if j not in unreached_of:
+            unreached_of[j] = explainer.unreached(j, attempt[job_rows.get(j, [])],
+                                                  int(h.job_max_attempts[j]))
+        return unreached_of[j] is not None
+
     for j in np.flatnonzero(failed_vs_oracle).tolist():
-        if consumed(j) is None:
+        if consumed(j) is None and not unreached(j):
             found.add("state_mismatch", h.job_ids[j],
                       "FAILED but its script completes within max_attempts "
                       f"({int(delivered_per_job[j])} deliveries, no fault recorded)")
     for j in np.flatnonzero(failed_early).tolist():
-        if consumed(j) is None:
+        if consumed(j) is None and not unreached(j):
             found.add("state_mismatch", h.job_ids[j],
                       f"FAILED after {int(delivered_per_job[j])} deliveries, but a correct "
                       f"queue delivers it {int(expected_deliveries[j])} times before "
@@ -1649,6 +1686,8 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
                       "enqueue acknowledged, marked COMPLETED but never delivered with 2xx")
         elif is_failed[j] and (not expected_completed[j] or consumed(j) is not None):
             continue  # legitimately dead-lettered
+        elif is_failed[j] and unreached(j):
+            continue  # judged unknown above
         else:
             found.add("lost", h.job_ids[j],
                       f"enqueue acknowledged, FAILED after {int(delivered_per_job[j])} "
@@ -1664,6 +1703,22 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
     if absent_unjudged:
         unknown.append(f"{absent_unjudged} acknowledged jobs have no row in {FINAL_JOBS_FILE} "
                        "and the snapshot is not known to be whole")
+    cut_short = {j: attempts for j, attempts in unreached_of.items() if attempts is not None}
+    if cut_short:
+        details["unreached_dead_letters"] = {
+            "count": len(cut_short),
+            "examples": [{"job_id": str(h.job_ids[j]),
+                          "why": f"FAILED after {int(delivered_per_job[j])} deliveries; "
+                                 f"attempt{'s' if len(attempts) > 1 else ''} "
+                                 f"{', '.join(map(str, attempts))} of "
+                                 f"{h.job_max_attempts[j]} never reached the target"}
+                         for j, attempts in list(cut_short.items())[:MAX_EXAMPLES]],
+        }
+        shown = ", ".join(str(h.job_ids[j]) for j in list(cut_short)[:3])
+        unknown.append(f"{len(cut_short)} jobs dead-lettered after attempts that never reached "
+                       "the target (the worker logged a timeout or connection error, the "
+                       "target no delivery): the history cannot say whether the queue or the "
+                       f"network lost them; examples: {shown}")
 
     # Stale writes.
     if len(stale_candidates):

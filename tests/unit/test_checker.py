@@ -1340,3 +1340,166 @@ def test_early_retry_after_a_timeout_counts_from_the_workers_end_of_the_call(
     b.final(JOB, "COMPLETED", attempts=2)
     verdict = check(b, tmp_path)
     assert anomalies(verdict) == {"duplicate_explained": 1}
+
+
+# --------------------------------------------------------------------------------------------
+# Dead letters after attempts that never reached the target: unknown, not a violation.
+# --------------------------------------------------------------------------------------------
+
+
+def unreached_attempt(b: RunBuilder, job: str, attempt: int, *, claimed: float,
+                      result: str = "timeout", worker: str = "worker-0") -> None:
+    """An attempt whose call never reached the target: the worker records a timeout or a
+    connection error and writes the transient failure; the target records nothing."""
+    end = claimed + 2.0 if result == "timeout" else claimed + 0.01
+    b.event("claim", worker, claimed, job_id=job, attempt=attempt)
+    b.event("http", worker, end, job_id=job, attempt=attempt, start=claimed, end=end,
+            result=result, status=None, error="no connection")
+    b.event("write", worker, end + 0.002, job_id=job, attempt=attempt, outcome="transient",
+            result="applied", error=None)
+
+
+UNREACHED_REASON = (
+    "1 jobs dead-lettered after attempts that never reached the target (the worker logged a "
+    "timeout or connection error, the target no delivery): the history cannot say whether "
+    "the queue or the network lost them; examples: {}")
+
+
+def test_dead_letter_after_attempts_that_never_reached_the_target_is_unknown(
+        tmp_path: Path) -> None:
+    """A job that succeeds at its first delivery, FAILED after three attempts none of which
+    reached the target: the queue counted them rightly if the worker tells the truth, which
+    the history cannot show."""
+    b = RunBuilder()
+    succeed_once(b, "fine", 99.0)
+    b.enqueue(JOB, script=SUCCEED, max_attempts=3)
+    unreached_attempt(b, JOB, 1, claimed=100.0)
+    unreached_attempt(b, JOB, 2, claimed=103.0, result="connection_error")
+    unreached_attempt(b, JOB, 3, claimed=105.0)
+    b.final(JOB, "FAILED", attempts=3)
+    verdict = check(b, tmp_path)
+    assert verdict.valid == "unknown"
+    assert verdict.exit_code == 3
+    assert anomalies(verdict) == {}
+    assert verdict.counts["failed"] == 1
+    assert verdict.unknown_reasons == (UNREACHED_REASON.format(JOB),)
+    assert verdict.details["unreached_dead_letters"] == {"count": 1, "examples": [{
+        "job_id": JOB,
+        "why": "FAILED after 0 deliveries; attempts 1, 2, 3 of 3 never reached the target"}]}
+
+
+def test_retries_that_reached_the_target_make_up_the_rest(tmp_path: Path) -> None:
+    """503 twice, then 200, with three attempts: the first never reached the target, the
+    other two were its first two deliveries (503 each), so the queue ran out of attempts."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=FAIL_TWICE, max_attempts=3)
+    unreached_attempt(b, JOB, 1, claimed=100.0)
+    b.attempt(JOB, 2, claimed=103.0, status=503, behaviour="status")
+    b.attempt(JOB, 3, claimed=105.0, status=503, behaviour="status")
+    b.final(JOB, "FAILED", attempts=3)
+    verdict = check(b, tmp_path)
+    assert verdict.valid == "unknown"
+    assert anomalies(verdict) == {}
+    assert verdict.unknown_reasons == (UNREACHED_REASON.format(JOB),)
+    assert whys(verdict, "state_mismatch") == []
+    assert verdict.details["unreached_dead_letters"]["examples"][0]["why"] == (
+        "FAILED after 2 deliveries; attempt 1 of 3 never reached the target")
+
+
+def test_dead_letter_short_of_more_than_its_unreached_attempts_is_still_a_state_mismatch(
+        tmp_path: Path) -> None:
+    """503 for ever with three attempts: one never reached the target and one delivery was
+    made, so one attempt is still missing. The one unreached attempt does not excuse it."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=ALWAYS_503, max_attempts=3)
+    unreached_attempt(b, JOB, 1, claimed=100.0)
+    b.attempt(JOB, 2, claimed=103.0, status=503, behaviour="status")
+    b.final(JOB, "FAILED", attempts=3)
+    verdict = check(b, tmp_path)
+    assert verdict.valid is False
+    assert anomalies(verdict) == {"state_mismatch": 1}
+    assert whys(verdict, "state_mismatch") == [
+        "FAILED after 1 deliveries, but a correct queue delivers it 3 times before "
+        "dead-lettering it (max_attempts 3), and no fault used up attempts"]
+    assert verdict.unknown_reasons == ()
+    assert "unreached_dead_letters" not in verdict.details
+
+
+def test_unreached_attempts_other_than_the_attempts_allowed_excuse_nothing(
+        tmp_path: Path) -> None:
+    """Jobs that succeed at once. "early": FAILED after one attempt that never reached the
+    target though it had three; the oracle lacks only one delivery, but a correct queue
+    retries a failed connection, so it was given up on early. "overrun": three unreached
+    attempts for max_attempts 2, numbered as no correct queue numbers them."""
+    b = RunBuilder()
+    b.enqueue("early", script=SUCCEED, max_attempts=3)
+    unreached_attempt(b, "early", 1, claimed=100.0, result="connection_error")
+    b.final("early", "FAILED", attempts=1)
+    b.enqueue("overrun", script=SUCCEED, max_attempts=2)
+    for n in (1, 2, 3):
+        unreached_attempt(b, "overrun", n, claimed=100.0 + 3 * n)
+    b.final("overrun", "FAILED", attempts=3, max_attempts=2)
+    verdict = check(b, tmp_path)
+    assert verdict.valid is False
+    assert anomalies(verdict) == {"lost": 2, "state_mismatch": 2}
+    assert verdict.unknown_reasons == ()
+
+
+def test_unreached_dead_letter_does_not_hide_a_violation(tmp_path: Path) -> None:
+    b = RunBuilder()
+    _redelivered(b, first_write="applied")
+    b.enqueue("unreached", script=SUCCEED, max_attempts=2)
+    unreached_attempt(b, "unreached", 1, claimed=100.0)
+    unreached_attempt(b, "unreached", 2, claimed=103.0)
+    b.final("unreached", "FAILED", attempts=2)
+    verdict = check(b, tmp_path)
+    assert verdict.valid is False
+    assert verdict.exit_code == 1
+    assert anomalies(verdict) == {"duplicate_unexplained": 1}
+    assert verdict.unknown_reasons == (UNREACHED_REASON.format("unreached"),)
+
+
+def test_timeout_of_an_attempt_the_target_received_excuses_nothing(tmp_path: Path) -> None:
+    """Timeouts the worker recorded for attempts the target received (it answered past
+    the timeout) are deliveries, not unreached attempts. 503 for ever with three attempts:
+    the second timed out that way and the third was never made, so the job is still one
+    short. A job that succeeds at once, whose two attempts both timed out that way, FAILED
+    with every attempt delivered: as it is judged without the worker's word."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=ALWAYS_503, max_attempts=3)
+    b.attempt(JOB, 1, claimed=100.0, status=503, behaviour="status")
+    b.attempt(JOB, 2, claimed=101.0, status=503, latency=3.0, behaviour="status")
+    b.final(JOB, "FAILED", attempts=3)
+    b.enqueue("late", script=SUCCEED, max_attempts=2)
+    b.attempt("late", 1, claimed=100.0, latency=3.0)
+    b.attempt("late", 2, claimed=104.0, latency=3.0)
+    b.final("late", "FAILED", attempts=2, max_attempts=2)
+    verdict = check(b, tmp_path)
+    assert verdict.valid is False
+    assert anomalies(verdict) == {"state_mismatch": 2, "duplicate_explained": 1}
+    assert verdict.examples["state_mismatch"] == [
+        {"job_id": "late", "why": "FAILED but its script completes within max_attempts "
+         "(2 deliveries, no fault recorded)"},
+        {"job_id": JOB, "why": "FAILED after 2 deliveries, but a correct queue delivers it "
+         "3 times before dead-lettering it (max_attempts 3), and no fault used up attempts"}]
+    assert verdict.unknown_reasons == ()
+
+
+def test_deliveries_without_an_attempt_header_cannot_match_unreached_attempts(
+        tmp_path: Path) -> None:
+    """503 twice, then 200, with three attempts, each of which the worker says timed out;
+    the target received two, answered past the timeout, but recorded no attempt header.
+    With headers 2 and 3 this would be the retry case above; without them the history
+    cannot tell which attempts they were, so the verdict stays the violation."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=FAIL_TWICE, max_attempts=3)
+    unreached_attempt(b, JOB, 1, claimed=100.0)
+    for n, claimed in ((2, 103.0), (3, 106.0)):
+        unreached_attempt(b, JOB, n, claimed=claimed)
+        b.deliver(JOB, attempt=None, received=claimed + 0.001, answered=claimed + 3.0,
+                  status=503, behaviour="status")
+    b.final(JOB, "FAILED", attempts=3)
+    verdict = check(b, tmp_path)
+    assert verdict.valid is False
+    assert anomalies(verdict) == {"lost": 1, "state_mismatch": 1}
+    assert verdict.unknown_reasons == ()
