@@ -55,8 +55,7 @@ class LineWriter:
     def __init__(self, log: LogFormat) -> None:
         self.log = log
         self._known = frozenset(log.names)
-        # JSON columns always go the slow way: even a plain string is written as JSON.
-        self._columns = [(name, kind != "json", LogFormat(log.what, ((name, kind),)))
+        self._columns = [(name, kind, LogFormat(log.what, ((name, kind),)))
                          for name, kind in log.columns]
 
     def line(self, record: Mapping[str, Any]) -> str:
@@ -64,14 +63,15 @@ class LineWriter:
         if not flat.keys() <= self._known:
             return self.log.line(record)  # raises, naming the fields without a column
         cells: list[str] = []
-        for name, plain, column in self._columns:
+        for name, kind, column in self._columns:
             value = flat.get(name)
             if value is None:
                 cells.append("")
-            elif plain and type(value) is str and not (
-                    "," in value or '"' in value or "\n" in value or "\r" in value):
+            elif kind == "str" and type(value) is str and not (
+                    "," in value or '"' in value or "\\" in value or "\n" in value
+                    or "\r" in value):
                 cells.append(value)
-            elif plain and (type(value) is int or type(value) is float):
+            elif kind == "num" and (type(value) is int or type(value) is float):
                 cells.append(repr(value))
             else:
                 cells.append(column.line({name: value})[:-1])

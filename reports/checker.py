@@ -32,6 +32,7 @@ the queue reported.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import mmap
@@ -42,7 +43,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, get_args
 
 import numpy as np
 import pandas as pd
@@ -71,9 +72,11 @@ from reports.history import (
     ColumnKind,
     HistoryError,
     LogFormat,
+    WorkerEventKind,
     parse_header,
     parse_row,
     read_json,
+    unescape_text,
     write_json,
 )
 from reports.oracle import Expected, OracleCache, script_from_payload
@@ -427,11 +430,36 @@ def _shaped(table: pa.Table, source: _Source) -> pa.Table:
 
 
 def _unescaped(table: pa.Table) -> pa.Table:
-    """The text columns with the line breaks a writer wrote as `\\n` restored."""
+    """The text columns with what a writer escaped (backslashes, line breaks) restored.
+    Only the few cells holding a backslash are decoded, by `history.unescape_text` itself."""
     for i, f in enumerate(table.schema):
-        if pa.types.is_string(f.type):
-            table = table.set_column(i, f, pc.replace_substring(table.column(i), "\\n", "\n"))
+        if not pa.types.is_string(f.type):
+            continue
+        column = table.column(i).combine_chunks()
+        marked = pc.fill_null(pc.match_substring(column, "\\"), False)
+        if not pc.any(marked).as_py():
+            continue
+        decoded = pa.array([unescape_text(v) for v in column.filter(marked).to_pylist()],
+                           pa.string())
+        table = table.set_column(i, f, pc.replace_with_mask(column, marked, decoded))
     return table
+
+
+def _quoting_is_strict(data: bytes | mmap.mmap, start: int, end: int) -> bool:
+    """Whether every line in data[start:end] that holds a quote is well quoted. Arrow reads
+    a stray quote leniently (`"a"b` as `ab`) where the line-by-line reader refuses it; the
+    writers quote only fields with a comma or a quote, so few lines need this look."""
+    at = data.find(b'"', start, end)
+    while at >= 0:
+        line_start = data.rfind(b"\n", start, at) + 1 or start
+        line_end = data.find(b"\n", at, end)
+        line = bytes(data[line_start:line_end])
+        try:
+            next(csv.reader([line.decode()], strict=True), None)
+        except (csv.Error, UnicodeDecodeError):
+            return False
+        at = data.find(b'"', line_end, end)
+    return True
 
 
 def _csv_header(path: Path, data: bytes | mmap.mmap, source: _Source) -> list[str]:
@@ -470,10 +498,10 @@ def _read_csv(data: bytes | mmap.mmap, end: int, source: _Source) -> pa.Table | 
         return None
     if table.column(source.filled).null_count:
         return None
-    # A writer escapes a line break in a text field as `\n`. Few fields ever hold one, and
-    # looking for a backslash is ten times faster than looking for the pair.
-    escaped = data.find(b"\\", 0, end) >= 0 and data.find(b"\\n", 0, end) >= 0
-    return _unescaped(table) if escaped else table
+    if not _quoting_is_strict(data, data.find(b"\n") + 1, end):
+        return None
+    # Few fields ever hold an escape: look for a backslash before decoding any column.
+    return _unescaped(table) if data.find(b"\\", 0, end) >= 0 else table
 
 
 def _read_jsonl(data: bytes, source: _Source) -> pa.Table | None:
@@ -907,6 +935,11 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     # Worker events, merged over every worker of every directory. Only writes need a field
     # of `data` for every row; the rest is read for the few events that explain something.
     ev.require_str("kind", "worker event")
+    known_kind = pd.Series(ev.columns["kind"], dtype=object).isin(get_args(WorkerEventKind))
+    if not known_kind.all():
+        row = int(np.flatnonzero(~known_kind.to_numpy())[0])
+        raise HistoryError(f"{ev.where(row)}: unknown worker event kind "
+                           f"{ev.columns['kind'][row]!r}")
     result = np.full(len(ev.columns["kind"]), None, dtype=object)
     # Few distinct kinds: as a categorical, the judge's comparisons on it are cheap.
     kind = pd.Categorical(pd.Series(ev.columns["kind"], dtype=object))

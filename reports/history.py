@@ -19,8 +19,8 @@ history of a million deliveries is six million records), and any tool reads it.
       verdict.json         written by the checker
 
 In the CSV logs an empty field is null (so an empty string reads back as null), booleans are
-`true` / `false`, a line break inside a text field is written as the two characters `\n`,
-and nested values are flattened into columns: an enqueue's script into `script_*`,
+`true` / `false`, a backslash or a line break inside a text field is escaped (`\\\\`,
+`\\n`, `\\r`), and nested values are flattened into columns: an enqueue's script into `script_*`,
 `first_*` and `then_*`, a worker event's fields next to its kind. Readers go by the header's
 column names: a column the reader does not know is ignored, one it lacks reads as null.
 
@@ -34,7 +34,9 @@ from __future__ import annotations
 import csv
 import fcntl
 import json
+import numbers
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -288,7 +290,11 @@ class _AppendOnlyFile:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
 
     def _append(self, line: str) -> None:
-        os.write(self._fd, line.encode())
+        data = line.encode()
+        written = os.write(self._fd, data)
+        if written != len(data):
+            # Only a full disk or a crash cuts a write to a regular file short.
+            raise OSError(f"{self.path}: only {written} of {len(data)} bytes written")
 
     def fsync(self) -> None:
         os.fsync(self._fd)
@@ -435,21 +441,40 @@ class LogFormat:
         return ",".join(_cell(flat.get(name), kind) for name, kind in self.columns) + "\n"
 
 
+def escape_text(text: str) -> str:
+    """Text with its backslashes and line breaks escaped (`\\`, `\n`, `\r`), so that a
+    line break only ever ends a record."""
+    if "\\" in text or "\n" in text or "\r" in text:
+        text = text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+    return text
+
+
+_ESCAPE = re.compile(r"\\([\\nr])")
+_UNESCAPED = {"\\": "\\", "n": "\n", "r": "\r"}
+
+
+def unescape_text(text: str) -> str:
+    """The inverse of `escape_text`; another backslash sequence is left as it is."""
+    if "\\" not in text:
+        return text
+    return _ESCAPE.sub(lambda m: _UNESCAPED[m.group(1)], text)
+
+
 def _cell(value: Any, kind: ColumnKind) -> str:
     if value is None:
         return ""
     if kind == "json":
         text = json.dumps(value, separators=(",", ":"), sort_keys=True, default=str)
-    elif isinstance(value, bool):
+    elif kind == "num":
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{value!r} is not a number")
+        text = str(int(value)) if isinstance(value, numbers.Integral) else repr(float(value))
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"{value!r} is not true or false")
         text = "true" if value else "false"
-    elif isinstance(value, int | float):
-        text = repr(value)
-    elif isinstance(value, Enum):
-        text = str(value.value)
     else:
-        text = str(value)
-    if "\n" in text or "\r" in text:
-        text = text.replace("\r\n", "\\n").replace("\n", "\\n").replace("\r", "\\n")
+        text = escape_text(str(value.value if isinstance(value, Enum) else value))
     if "," in text or '"' in text:
         text = '"' + text.replace('"', '""') + '"'
     return text
@@ -501,11 +526,16 @@ class LogWriter(_AppendOnlyFile):
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 header = log.header().encode()
-                if os.fstat(self._fd).st_size == 0:
-                    os.write(self._fd, header)
+                size = os.fstat(self._fd).st_size
+                if size == 0:
+                    self._append(header.decode())
                 elif os.pread(self._fd, len(header), 0) != header:
                     raise HistoryError(f"{path} was written with other columns than this "
                                        f"version writes: use a new run directory")
+                elif os.pread(self._fd, 1, size - 1) != b"\n":
+                    # Appending would glue the next record onto the cut one.
+                    raise HistoryError(f"{path} was cut off mid-line: use a new run "
+                                       f"directory")
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
         except BaseException:
@@ -518,6 +548,9 @@ class LogWriter(_AppendOnlyFile):
 
 def parse_header(path: Path, line: str, log: LogFormat) -> list[str]:
     """The column names of a log's header line; a HistoryError when it is not one."""
+    if line.startswith("\ufeff"):
+        raise HistoryError(f"{path}:1 starts with a byte-order mark: save it as UTF-8 "
+                           "without one")
     names = next(csv.reader([line]), [])
     if not names or not set(names) & set(log.names):
         raise HistoryError(f"{path}:1 is not a header of {log.what} columns")
@@ -526,21 +559,29 @@ def parse_header(path: Path, line: str, log: LogFormat) -> list[str]:
     return names
 
 
+_INTEGER = re.compile(r"[-+]?[0-9]+")
+_REAL = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?|[-+]?(inf|nan)",
+                   re.IGNORECASE)
+
+
 def parse_cell(text: str, kind: ColumnKind | None) -> Any:
-    """One field's value; ValueError when it is not of its column's kind."""
+    """One field's value; ValueError when it is not of its column's kind. Numbers are ASCII
+    decimals (as Arrow reads them); whole numbers stay exact however large."""
     if text == "":
         return None
     if kind == "num":
-        value = float(text)
-        return int(value) if value.is_integer() and "." not in text and "e" not in text.lower() \
-            else value
+        if _INTEGER.fullmatch(text):
+            return int(text)
+        if not _REAL.fullmatch(text):
+            raise ValueError(text)
+        return float(text)
     if kind == "bool":
         if text not in ("true", "false"):
             raise ValueError(text)
         return text == "true"
     if kind == "json":
         return json.loads(text)
-    return text.replace("\\n", "\n") if "\\n" in text else text
+    return unescape_text(text)
 
 
 def read_log(path: Path, log: LogFormat) -> Iterator[dict[str, Any]]:

@@ -959,7 +959,8 @@ def test_missing_nemesis_file_means_no_faults(tmp_path: Path) -> None:
                           "a,1,acct-0,worker-0,target-0,soon,,,ok,1,1\n"),
          r"target-0\.csv:3: delivery field received is not a number"),
         (lambda d: append(d / "workers" / "worker-0.csv", WORKER_LOG.line(
-            {"kind": "renew", "worker": "worker-0", "time": 1.0, "data": {"lost": "yes"}})),
+            {"kind": "renew", "worker": "worker-0", "time": 1.0, "data": {"lost": True}})
+            .replace("true", "yes")),
          r"worker-0\.csv:5: worker event field lost is not true or false"),
         (lambda d: append(d / "final_jobs.csv", "a,acct-0,DONE,1,3,,,,\n"),
          r"final_jobs\.csv:3: unknown job status 'DONE'"),
@@ -1503,3 +1504,46 @@ def test_deliveries_without_an_attempt_header_cannot_match_unreached_attempts(
     assert verdict.valid is False
     assert anomalies(verdict) == {"lost": 1, "state_mismatch": 1}
     assert verdict.unknown_reasons == ()
+
+
+@pytest.mark.parametrize("account", ["corp\\north", "C:\\new\\table", "a\rb", "plain"])
+@pytest.mark.parametrize("blank_line", [False, True])
+def test_escaped_text_reads_back_exactly_on_both_paths(tmp_path: Path, account: str,
+                                                       blank_line: bool) -> None:
+    """An account name with a backslash or a line break still finds its limit in run.json,
+    whether Arrow reads the logs or (a blank line sends them there) the line-by-line path."""
+    b = RunBuilder(account_limits={account: 1})
+    for name, at in (("a", 100.0), ("b", 100.1)):
+        b.enqueue(name, script=SUCCEED, account=account)
+        b.attempt(name, 1, claimed=at, latency=0.5, worker=f"w-{name}", account=account)
+        b.final(name, "COMPLETED", account=account)
+    run_dir = b.write(tmp_path / "run")
+    if blank_line:
+        for path in run_dir.rglob("*.csv"):
+            append(path, "\n")
+    verdict = check_run([run_dir])
+    assert anomalies(verdict) == {"limit_exceeded": 1}
+    [example] = verdict.examples["limit_exceeded"]
+    assert f"account {account} had 2 deliveries in flight" in example["why"]
+
+
+@pytest.mark.parametrize("blank_line", [False, True])
+def test_a_stray_quote_is_bad_input_on_both_paths(tmp_path: Path, blank_line: bool) -> None:
+    b = RunBuilder()
+    succeed_once(b, JOB, 100.0)
+    run_dir = b.write(tmp_path / "run")
+    log = run_dir / "deliveries" / "target-0.csv"
+    log.write_text(log.read_text().replace(",worker-0,", ',"worker"-0,'))
+    if blank_line:
+        append(log, "\n")
+    with pytest.raises(HistoryError, match=r"target-0\.csv:2 is not a CSV line"):
+        check_run([run_dir])
+
+
+def test_an_unknown_worker_event_kind_is_bad_input(tmp_path: Path) -> None:
+    b = RunBuilder()
+    succeed_once(b, JOB, 100.0)
+    b.event("cstart", "worker-0", 99.0)
+    with pytest.raises(HistoryError, match=r"worker-0\.csv:5: unknown worker event kind "
+                                           r"'cstart'"):
+        check(b, tmp_path)
