@@ -137,16 +137,20 @@ class WorkerPool:
         if self._processes:
             return
         self.events_dir.mkdir(parents=True, exist_ok=True)
-        # Each log is opened here first: a log left by another version is refused before any
-        # process starts, and a reused log's earlier `start` events are skipped.
-        self._log_offsets = []
-        for worker_id in self.worker_ids:
-            path = self.events_path(worker_id)
+        # Each log is opened here first: a log that cannot be appended to is refused before
+        # any process starts (existing logs are checked before new ones are created, so a
+        # refusal leaves nothing behind), and a reused log's earlier `start` events are
+        # skipped.
+        paths = [self.events_path(worker_id) for worker_id in self.worker_ids]
+        for path in sorted(paths, key=lambda p: not p.exists()):
             try:
                 LogWriter(path, WORKER_LOG).close()
             except HistoryError as exc:
                 raise UsageError(str(exc)) from None
-            self._log_offsets.append(path.stat().st_size)
+            except OSError as exc:
+                raise UsageError(f"cannot write the event log {path}: "
+                                 f"{exc.strerror or exc}") from None
+        self._log_offsets = [path.stat().st_size for path in paths]
         try:
             for worker_id in self.worker_ids:
                 process = self._context.Process(

@@ -698,22 +698,32 @@ def test_fast_batch_mates_of_a_long_call_keep_their_leases_until_written(
     assert renewed == {str(j.id) for j in [slow, *fast]}
 
 
-def test_worker_command_refuses_an_event_log_of_another_format(
-    pg_dsn: str, fresh_schema: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("make_bad", "message"),
+    [
+        (lambda p: p.write_text("when,what\n1,something\n"), "written with other columns"),
+        (lambda p: p.mkdir(), "cannot write the event log"),
+    ],
+)
+def test_worker_command_refuses_an_event_log_it_cannot_append_to(
+    pg_dsn: str, fresh_schema: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    make_bad: Callable[[Path], object], message: str,
 ) -> None:
     from scenarios.cli import main
 
     events_dir = tmp_path / "events"
     events_dir.mkdir()
-    foreign = events_dir / "worker-0.csv"
-    foreign.write_text("when,what\n1,something\n")
+    bad = events_dir / "worker-1.csv"
+    make_bad(bad)
+    before = sorted(events_dir.rglob("*"))
     argv = ["worker", "--dsn", pg_dsn, "--schema", fresh_schema, "--events-dir",
-            str(events_dir), "--workers", "1"]
+            str(events_dir), "--workers", "2"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "worker-0.csv was written with other columns" in err
+    assert message in err and "worker-1.csv" in err
     assert err.count("\n") == 1
-    assert foreign.read_text() == "when,what\n1,something\n"
+    # Refused before anything was written: no log for the other worker either.
+    assert sorted(events_dir.rglob("*")) == before
 
 
 def test_worker_command_with_a_bad_events_dir_leaves_the_database_untouched(
