@@ -29,6 +29,7 @@ from reports.history import (
     ENQUEUE_LOG,
     ENQUEUES_FILE,
     LOG_SUFFIX,
+    HistoryError,
     LogFormat,
     parse_header,
     parse_row,
@@ -63,7 +64,9 @@ SAMPLE_COLUMNS = [f.name for f in fields(Sample)]
 
 class _Tail:
     """Reads the records appended to a CSV log since the last call. Only whole lines count:
-    a last line still being written waits for its rest. The first line is the header."""
+    a last line still being written waits for its rest. The first line is the header. The
+    display only counts: a malformed line is skipped (the checker will name it), and a log
+    whose header is not one is not read at all."""
 
     def __init__(self, path: Path, log: LogFormat) -> None:
         self.path = path
@@ -72,8 +75,12 @@ class _Tail:
         self.partial = b""
         self.names: list[str] | None = None
         self.line_number = 0
+        self.unreadable = False
+        self.bad_lines = 0
 
     def records(self) -> list[dict[str, Any]]:
+        if self.unreadable:
+            return []
         try:
             with self.path.open("rb") as fh:
                 fh.seek(self.offset)
@@ -87,12 +94,18 @@ class _Tail:
         # Writers escape line breaks inside fields, so every b"\n" ends a record.
         for raw in whole:
             self.line_number += 1
-            line = raw.decode()
-            if self.names is None:
-                self.names = parse_header(self.path, line, self.log)
-            elif line.strip():
-                records.append(parse_row(self.path, self.line_number, line, self.names,
-                                         self.log))
+            try:
+                line = raw.decode()
+                if self.names is None:
+                    self.names = parse_header(self.path, line, self.log)
+                elif line.strip():
+                    records.append(parse_row(self.path, self.line_number, line, self.names,
+                                             self.log))
+            except (HistoryError, UnicodeDecodeError):
+                if self.names is None:
+                    self.unreadable = True
+                    return []
+                self.bad_lines += 1
         return records
 
 

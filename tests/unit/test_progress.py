@@ -62,3 +62,28 @@ def test_a_line_still_being_written_is_read_once_it_is_whole(tmp_path: Path) -> 
     second = sampler.sample("load")
     assert (second.delivered, second.over_limit, second.over_attempts) == (2, 1, 1)
     assert second.delivered_ok == 2 and second.duplicates == 1
+
+
+def test_a_malformed_line_costs_only_itself(tmp_path: Path) -> None:
+    with LogWriter(tmp_path / ENQUEUES_FILE, ENQUEUE_LOG) as enq:
+        enq.write({"type": "invoke", "job_id": "a", "max_attempts": 3})
+    log = tmp_path / DELIVERIES_DIR / "t.csv"
+    with LogWriter(log, DELIVERY_LOG) as dels:
+        dels.write(_delivery("a", "acme", 1))
+    with log.open("a") as fh:
+        fh.write("a,not-a-number\n")
+    with LogWriter(log, DELIVERY_LOG) as dels:
+        dels.write(_delivery("a", "acme", 1))
+    sampler = Sampler(tmp_path, dsn=None, schema="s", limits={"acme": 1})
+    assert sampler.sample("load").delivered == 2
+    with LogWriter(log, DELIVERY_LOG) as dels:
+        dels.write(_delivery("a", "acme", 1))
+    assert sampler.sample("load").delivered == 3
+
+
+def test_a_log_without_a_header_is_not_counted(tmp_path: Path) -> None:
+    (tmp_path / DELIVERIES_DIR).mkdir()
+    (tmp_path / DELIVERIES_DIR / "t.csv").write_text("a,1\nb,2\n")
+    sampler = Sampler(tmp_path, dsn=None, schema="s", limits={})
+    assert sampler.sample("load").delivered == 0
+    assert sampler.sample("load").delivered == 0
