@@ -129,14 +129,18 @@ class Sampler:
         self.invoked = self.ok = self.errors = 0
         self.delivered = self.delivered_ok = self.duplicates = 0
         self.succeeded: set[str] = set()
+        self.waiting: list[str] = []  # deliveries of jobs whose invoke has not been read yet
         self.started = time.time()
         self.last: Sample | None = None
         self._conn: psycopg.Connection[Any] | None = None
         self._use_sql = dsn is not None
 
     def _read_files(self) -> None:
-        # Enqueues first: an invoke is written before its job exists, so every delivery read
-        # below belongs to an invoke already read, unless the queue made the job up.
+        # Enqueues first: an invoke is written before its job exists. A delivery read right
+        # after them may still belong to an invoke written in between (the two files are read
+        # a few milliseconds apart, about an enqueue-to-delivery latency), so a delivery of no
+        # known job waits for the next read of the enqueues, which is newer than it: a job
+        # still unknown then was never invoked.
         for op in self.enqueues.records():
             kind = op.get("type")
             if kind == "invoke":
@@ -146,6 +150,10 @@ class Sampler:
                 self.ok += 1
             else:
                 self.errors += 1
+        waiting, self.waiting = self.waiting, []
+        for job in waiting:
+            if not self._count_attempt(job):
+                self.unexpected += 1
         for path in sorted((self.run_dir / DELIVERIES_DIR).glob(f"*{LOG_SUFFIX}")):
             tail = self.delivery_tails.setdefault(path, _Tail(path, DELIVERY_LOG))
             for record in tail.records():
@@ -159,15 +167,20 @@ class Sampler:
                         self.duplicates += 1
                     self.succeeded.add(job)
 
-    def _judge_arrival(self, record: Mapping[str, Any]) -> None:
-        job = str(record.get("job_id"))
+    def _count_attempt(self, job: str) -> bool:
+        """Count a delivery of `job` against its max_attempts; False if no invoke is known."""
         allowed = self.max_attempts.get(job)
         if allowed is None:
-            self.unexpected += 1
-        else:
-            self.seen[job] = self.seen.get(job, 0) + 1
-            if allowed and self.seen[job] > allowed:
-                self.over_attempts += 1
+            return False
+        self.seen[job] = self.seen.get(job, 0) + 1
+        if allowed and self.seen[job] > allowed:
+            self.over_attempts += 1
+        return True
+
+    def _judge_arrival(self, record: Mapping[str, Any]) -> None:
+        job = str(record.get("job_id"))
+        if not self._count_attempt(job):
+            self.waiting.append(job)
         limit = self.limits.get(str(record.get("account")))
         in_flight = record.get("account_in_flight")
         if limit is not None and isinstance(in_flight, int) and in_flight > limit:

@@ -24,6 +24,10 @@ def test_sampler_counts_what_the_target_log_already_shows(tmp_path: Path) -> Non
         dels.write(_delivery("a", "acme", 3))  # third of max 2, and above acme's limit
         dels.write(_delivery("b", "free", 50))  # unlimited account: never over
         dels.write(_delivery("ghost", "acme", 1))  # never invoked
+    first = sampler.sample("load")
+    # The ghost's invoke might still be written: it is called unexpected once the enqueues
+    # have been read again, after its delivery.
+    assert (first.unexpected, first.over_attempts, first.over_limit) == (0, 1, 1)
     sample = sampler.sample("load")
     assert (sample.unexpected, sample.over_attempts, sample.over_limit) == (1, 1, 1)
     assert sample.delivered == 5 and sample.enqueued == 2
@@ -87,3 +91,20 @@ def test_a_log_without_a_header_is_not_counted(tmp_path: Path) -> None:
     sampler = Sampler(tmp_path, dsn=None, schema="s", limits={})
     assert sampler.sample("load").delivered == 0
     assert sampler.sample("load").delivered == 0
+
+
+def test_a_delivery_read_before_its_invoke_is_not_unexpected(tmp_path: Path) -> None:
+    """The sampler reads the enqueues, then the deliveries: an invoke written in between
+    belongs to a delivery read after it, as if the delivery had come first. That delivery
+    waits for the next read of the enqueues."""
+    LogWriter(tmp_path / ENQUEUES_FILE, ENQUEUE_LOG).close()
+    sampler = Sampler(tmp_path, dsn=None, schema="s", limits={})
+    with LogWriter(tmp_path / DELIVERIES_DIR / "t.csv", DELIVERY_LOG) as dels:
+        dels.write(_delivery("late", "acme", 1))
+        dels.write(_delivery("late", "acme", 1))  # over its max_attempts of 1
+    first = sampler.sample("load")
+    assert (first.delivered, first.unexpected, first.over_attempts) == (2, 0, 0)
+    with LogWriter(tmp_path / ENQUEUES_FILE, ENQUEUE_LOG) as enqueues:
+        enqueues.write({"type": "invoke", "job_id": "late", "max_attempts": 1})
+    second = sampler.sample("load")
+    assert (second.delivered, second.unexpected, second.over_attempts) == (2, 0, 1)
