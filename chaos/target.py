@@ -30,7 +30,7 @@ import struct
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, assert_never
 
@@ -46,6 +46,7 @@ from reports.history import (
     JobScript,
     LogWriter,
     Step,
+    read_log,
 )
 
 DEFAULT_HANG_CAP_SECONDS = 600.0
@@ -211,6 +212,27 @@ class EchoTarget:
         self._bad_requests = 0
         self._held: set[_Held] = set()
         self._stopping = False
+        self._resume(read_log(self.path, DELIVERY_LOG))
+
+    def _resume(self, earlier: Iterable[Mapping[str, Any]]) -> None:
+        """Pick up the counts of a log this target's name wrote before (a target restarted
+        on the same run directory): each job's script goes on from the deliveries already
+        answered, rather than starting over, and the stats count them too. Deliveries that
+        were in flight when the earlier process died were never recorded: they are not
+        counted, as the queue saw them fail."""
+        for record in earlier:
+            job = str(record["job_id"] or "")
+            self._seen[job] = max(self._seen.get(job, 0) + 1, int(record["seen"] or 0))
+            self._deliveries += 1
+            if job in self._answered_ok:
+                self._duplicates += 1
+            status = record["status"]
+            if status is None:
+                self._unanswered += 1
+            else:
+                self._by_status[int(status)] = self._by_status.get(int(status), 0) + 1
+                if 200 <= status < 300:
+                    self._answered_ok.add(job)
 
     def app(self) -> web.Application:
         app = web.Application()

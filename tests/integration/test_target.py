@@ -396,3 +396,18 @@ def test_capacity_benchmark_runs_and_describes_itself() -> None:
     assert result["parameters"]["concurrency"] == 4
     assert {"sha", "dirty"} <= set(result["git"])
     assert result["machine"]["cpu_count"] and result["python"]["version"]
+
+
+def test_a_restarted_target_goes_on_with_each_jobs_script(tmp_path: Path) -> None:
+    """A job that fails twice, then succeeds: a restart between its deliveries does not make
+    it fail again from the start, and the stats count what the earlier process answered."""
+    job = job_id()
+    fail_twice = {"script": script(Step(behaviour=Behaviour.STATUS, status=503), times=2)}
+    statuses = []
+    for _ in range(3):
+        with TargetProcess(tmp_path, name="again") as again:
+            statuses.append(post(again.deliver_url, job, fail_twice))
+            stats = again.stats()
+    assert statuses == [503, 503, 200]
+    assert [r["seen"] for r in records(again, job)] == [1, 2, 3]
+    assert (stats["deliveries"], stats["answered"]) == (3, {"200": 1, "503": 2})
