@@ -30,7 +30,7 @@ import struct
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, assert_never
 
@@ -47,6 +47,7 @@ from reports.history import (
     LogWriter,
     Step,
     read_log,
+    unescape_text,
 )
 
 DEFAULT_HANG_CAP_SECONDS = 600.0
@@ -186,6 +187,31 @@ class _Held:
         self.wake = asyncio.Event()
 
 
+def _earlier_deliveries(path: Path, name: str) -> Iterator[tuple[str, Any, Any, Any]]:
+    """(job id, seen, status, behaviour) of each record `name` wrote to its log before; the
+    job id is "" for a request that had none. Read with Arrow: a restart must not keep a
+    run's workers waiting while a million records are parsed. A log Arrow cannot read is
+    read line by line, so that the error names the line."""
+    import pyarrow as pa  # type: ignore[import-untyped]  # only a restart needs Arrow
+    import pyarrow.csv as pacsv  # type: ignore[import-untyped]
+
+    columns = {"job_id": pa.string(), "target": pa.string(), "seen": pa.float64(),
+               "status": pa.float64(), "behaviour": pa.string()}
+    try:
+        table = pacsv.read_csv(
+            path, convert_options=pacsv.ConvertOptions(
+                column_types=columns, include_columns=list(columns),
+                include_missing_columns=True, null_values=[""], strings_can_be_null=True))
+        rows: Iterable[tuple[Any, ...]] = zip(
+            *(table.column(c).to_pylist() for c in columns), strict=True)
+    except pa.ArrowInvalid:
+        rows = ((r["job_id"], r["target"], r["seen"], r["status"], r["behaviour"])
+                for r in read_log(path, DELIVERY_LOG))
+    for job, target, seen, status, behaviour in rows:
+        if target is None or target == name:
+            yield unescape_text(job or ""), seen, status, behaviour
+
+
 class EchoTarget:
     """The target's state and its aiohttp application. One per process (one event loop)."""
 
@@ -212,21 +238,25 @@ class EchoTarget:
         self._bad_requests = 0
         self._held: set[_Held] = set()
         self._stopping = False
-        self._resume(read_log(self.path, DELIVERY_LOG))
+        self._resume()
 
-    def _resume(self, earlier: Iterable[Mapping[str, Any]]) -> None:
+    def _resume(self) -> None:
         """Pick up the counts of a log this target's name wrote before (a target restarted
         on the same run directory): each job's script goes on from the deliveries already
-        answered, rather than starting over, and the stats count them too. Deliveries that
-        were in flight when the earlier process died were never recorded: they are not
-        counted, as the queue saw them fail."""
-        for record in earlier:
-            job = str(record["job_id"] or "")
-            self._seen[job] = max(self._seen.get(job, 0) + 1, int(record["seen"] or 0))
+        answered rather than starting over, and the stats count them too. A job's count is
+        the highest `seen` recorded for it (records are written when answered, so a slow
+        first delivery can be logged after its retry). Deliveries in flight when the earlier
+        process died were never recorded; the queue saw them fail."""
+        if self.path.stat().st_size <= len(DELIVERY_LOG.header()):
+            return
+        for job, seen, status, behaviour in _earlier_deliveries(self.path, self.name):
+            count = self._seen.get(job, 0)
+            self._seen[job] = count + 1 if seen is None else max(count, int(seen))
             self._deliveries += 1
             if job in self._answered_ok:
                 self._duplicates += 1
-            status = record["status"]
+            if behaviour == BAD_REQUEST:
+                self._bad_requests += 1
             if status is None:
                 self._unanswered += 1
             else:

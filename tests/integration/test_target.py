@@ -15,7 +15,7 @@ import pytest
 
 from chaos.target import TargetProcess
 from queue_impl.interface import ACCOUNT_HEADER, ATTEMPT_HEADER, JOB_ID_HEADER, WORKER_HEADER
-from reports.history import DELIVERY_LOG, Behaviour, JobScript, Step, read_log
+from reports.history import DELIVERY_LOG, Behaviour, JobScript, LogWriter, Step, read_log
 from scenarios.cli import main as cli_main
 
 pytestmark = pytest.mark.integration
@@ -411,3 +411,28 @@ def test_a_restarted_target_goes_on_with_each_jobs_script(tmp_path: Path) -> Non
     assert statuses == [503, 503, 200]
     assert [r["seen"] for r in records(again, job)] == [1, 2, 3]
     assert (stats["deliveries"], stats["answered"]) == (3, {"200": 1, "503": 2})
+
+
+def test_a_restarted_target_resumes_from_what_each_job_saw(tmp_path: Path) -> None:
+    """Records are written when answered: a retry answered before a slow first delivery is
+    logged first. The count resumes from the highest `seen`, not from the number of lines;
+    another target's records and requests without a job id are kept apart."""
+    job, other = job_id(), job_id()
+    log = tmp_path / "deliveries" / "again.csv"
+    with LogWriter(log, DELIVERY_LOG) as writer:
+        for seen, status in ((2, 503), (1, 503)):
+            writer.write({"job_id": job, "target": "again", "received": 1.0, "answered": 2.0,
+                          "status": status, "behaviour": "status", "seen": seen})
+        writer.write({"job_id": other, "target": "target-9", "received": 1.0,
+                      "answered": 2.0, "status": 200, "behaviour": "ok", "seen": 7})
+        writer.write({"job_id": None, "target": "again", "received": 1.0, "answered": 1.0,
+                      "status": 400, "behaviour": "bad_request", "seen": 1})
+    fail_twice = {"script": script(Step(behaviour=Behaviour.STATUS, status=503), times=2)}
+    with TargetProcess(tmp_path, name="again") as again:
+        stats = again.stats()
+        assert post(again.deliver_url, job, fail_twice) == 200
+        assert post(again.deliver_url, other, fail_twice) == 503
+    assert (stats["deliveries"], stats["bad_requests"], stats["answered"]) == (
+        3, 1, {"400": 1, "503": 2})
+    assert [r["seen"] for r in records(again, job)] == [2, 1, 3]
+    assert [r["seen"] for r in records(again, other) if r["target"] == "again"] == [1]
