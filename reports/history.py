@@ -560,21 +560,24 @@ def parse_header(path: Path, line: str, log: LogFormat) -> list[str]:
 
 
 _INTEGER = re.compile(r"[-+]?[0-9]+")
-_REAL = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?|[-+]?(inf|nan)",
+_REAL = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?|[-+]?(inf|infinity|nan)",
                    re.IGNORECASE)
 
 
 def parse_cell(text: str, kind: ColumnKind | None) -> Any:
-    """One field's value; ValueError when it is not of its column's kind. Numbers are ASCII
-    decimals (as Arrow reads them); whole numbers stay exact however large."""
+    """One field's value; ValueError when it is not of its column's kind. Numbers are read
+    as Arrow reads them (ASCII decimals, `inf`, `nan`, spaces around them ignored), so the
+    checker's two ways of reading a log agree; whole numbers of up to 299 digits stay
+    exact."""
     if text == "":
         return None
     if kind == "num":
-        if _INTEGER.fullmatch(text):
-            return int(text)
-        if not _REAL.fullmatch(text):
+        number = text.strip(" \t")
+        if _INTEGER.fullmatch(number) and len(number) < 300:
+            return int(number)
+        if not _REAL.fullmatch(number):
             raise ValueError(text)
-        return float(text)
+        return float(number)
     if kind == "bool":
         if text not in ("true", "false"):
             raise ValueError(text)

@@ -1570,3 +1570,19 @@ def test_an_unknown_worker_event_kind_is_bad_input(tmp_path: Path) -> None:
     with pytest.raises(HistoryError, match=r"worker-0\.csv:5: unknown worker event kind "
                                            r"'cstart'"):
         check(b, tmp_path)
+
+
+@pytest.mark.parametrize("blank_line", [False, True])
+@pytest.mark.parametrize("spelled", [" {} ", "{}0", "+{}"])
+def test_a_number_spelled_another_way_reads_the_same_on_both_paths(
+        tmp_path: Path, blank_line: bool, spelled: str) -> None:
+    b = RunBuilder()
+    succeed_once(b, JOB, 100.0)
+    run_dir = b.write(tmp_path / "run")
+    log = run_dir / "deliveries" / "target-0.csv"
+    [received] = [r["received"] for r in read_log(log, DELIVERY_LOG)]
+    log.write_text(log.read_text().replace(f",{received!r},",
+                                           "," + spelled.format(repr(received)) + ","))
+    if blank_line:
+        append(log, "\n")
+    assert check_run([run_dir]).valid is True

@@ -3,6 +3,7 @@ whatever the text holds, and a log that is damaged or foreign is refused, never 
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -181,6 +182,11 @@ def test_numbers_are_exact_and_ascii(tmp_path: Path) -> None:
     path.write_text(f"job_id,attempt,received\na,{big},1e-07\n")
     [row] = read_log(path, DELIVERY_LOG)
     assert (row["attempt"], row["received"]) == (big, 1e-07)
+    # As Arrow reads them, so that the checker's two paths agree.
+    for text, value in ((" 100.0 ", 100.0), ("Infinity", math.inf), ("-inf", -math.inf),
+                        ("1" * 400, math.inf), (".5", 0.5), ("+1E+05", 1e5)):
+        path.write_text(f"job_id,received\na,{text}\n")
+        assert next(read_log(path, DELIVERY_LOG))["received"] == value
     for bad in ("1_0", "\u0661", "0x10", "1,5"):
         path.write_text(f'job_id,attempt\na,"{bad}"\n')
         with pytest.raises(HistoryError, match="attempt is not a number"):
