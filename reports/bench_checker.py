@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -229,11 +230,12 @@ class RunBuilder:
         }, separators=(",", ":")) + "\n")
 
     def final(self, job_id: str, status: str, *, attempts: int = 1, max_attempts: int = 3,
-              account: str = "acct-0") -> None:
+              account: str = "acct-0", last_error: str | None = None,
+              extra: Mapping[str, Any] | None = None) -> None:
         self.finals.append(_FINAL_LINES.line({
             "job_id": job_id, "account_id": account, "status": status, "attempts": attempts,
-            "max_attempts": max_attempts, "last_error": None, "locked_until": None,
-            "next_attempt_at": None, "extra": {},
+            "max_attempts": max_attempts, "last_error": last_error, "locked_until": None,
+            "next_attempt_at": None, "extra": dict(extra or {}),
         }))
 
     # -- output -----------------------------------------------------------------------------
@@ -286,6 +288,11 @@ _SUCCEED = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None,
             "then": {"behaviour": "ok"}}
 
 
+def _timestamp(seconds: float) -> str:
+    """A time as the reference queue's snapshot writes one (`str` of an aware datetime)."""
+    return str(datetime.fromtimestamp(seconds, UTC))
+
+
 def build_synthetic(run_dir: Path, deliveries: int, *, workers: int = 4, accounts: int = 8,
                     seed: int = 1) -> dict[str, int]:
     """A fault-free-looking history with about `deliveries` deliveries: 90% of jobs succeed
@@ -300,6 +307,13 @@ def build_synthetic(run_dir: Path, deliveries: int, *, workers: int = 4, account
     job = 0
     clock = 1_000_000.0
     mix = {"succeed": 0, "retry": 0, "dead": 0, "duplicate": 0}
+
+    def extra(created: float, finished: float, worker: str) -> dict[str, str]:
+        # What the reference queue's snapshot keeps beside the judged columns: a quoted
+        # JSON field on every row, as in a real final_jobs.csv.
+        return {"created_at": _timestamp(created), "finished_at": _timestamp(finished),
+                "locked_by": worker, "run_at": _timestamp(created)}
+
     while made < deliveries:
         job_id = f"00000000-0000-4000-8000-{job:012d}"
         job += 1
@@ -310,7 +324,8 @@ def build_synthetic(run_dir: Path, deliveries: int, *, workers: int = 4, account
         if roll < 0.90:
             builder.enqueue(job_id, script=_SUCCEED, account=account, time=clock)
             builder.attempt(job_id, 1, claimed=clock + 0.01, worker=worker, account=account)
-            builder.final(job_id, "COMPLETED", account=account)
+            builder.final(job_id, "COMPLETED", account=account,
+                          extra=extra(clock, clock + 0.03, worker))
             made += 1
             mix["succeed"] += 1
         elif roll < 0.95:
@@ -322,14 +337,16 @@ def build_synthetic(run_dir: Path, deliveries: int, *, workers: int = 4, account
                                 account=account, behaviour="status")
                 t += 0.5 * 2 ** (attempt - 1) + 0.05
             builder.attempt(job_id, 3, claimed=t, worker=worker, account=account)
-            builder.final(job_id, "COMPLETED", attempts=3, max_attempts=5, account=account)
+            builder.final(job_id, "COMPLETED", attempts=3, max_attempts=5, account=account,
+                          extra=extra(clock, t + 0.03, worker))
             made += 3
             mix["retry"] += 1
         elif roll < 0.99:
             builder.enqueue(job_id, script=_ALWAYS_400, account=account, time=clock)
             builder.attempt(job_id, 1, claimed=clock + 0.01, status=400, worker=worker,
                             account=account, behaviour="status")
-            builder.final(job_id, "FAILED", account=account)
+            builder.final(job_id, "FAILED", account=account, last_error="HTTP 400",
+                          extra=extra(clock, clock + 0.03, worker))
             made += 1
             mix["dead"] += 1
         else:
@@ -337,7 +354,8 @@ def build_synthetic(run_dir: Path, deliveries: int, *, workers: int = 4, account
             builder.attempt(job_id, 1, claimed=clock + 0.01, worker=worker, account=account,
                             write="info")
             builder.attempt(job_id, 2, claimed=clock + 10.02, worker=worker, account=account)
-            builder.final(job_id, "COMPLETED", attempts=2, account=account)
+            builder.final(job_id, "COMPLETED", attempts=2, account=account,
+                          extra=extra(clock, clock + 10.05, worker))
             made += 2
             mix["duplicate"] += 1
     builder.write(run_dir)
