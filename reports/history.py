@@ -37,6 +37,7 @@ import json
 import numbers
 import os
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -513,6 +514,17 @@ FINAL_JOBS_LOG = LogFormat(
 )
 
 
+def _cut_off(fd: int, size: int) -> bool:
+    """Whether the log ends inside a line and stays that way. Another process's append may
+    be caught halfway (the size grows before the last byte lands), so a log that grows or
+    gets its line break within a moment is being written, not cut off."""
+    for _ in range(5):
+        if os.pread(fd, 1, size - 1) == b"\n" or os.fstat(fd).st_size != size:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 class LogWriter(_AppendOnlyFile):
     """Appends records to a CSV log, one line each. Opening writes the header if the file is
     new; several processes may open one file at once (the header is written under a lock,
@@ -532,7 +544,7 @@ class LogWriter(_AppendOnlyFile):
                 elif os.pread(self._fd, len(header), 0) != header:
                     raise HistoryError(f"{path} was written with other columns than this "
                                        f"version writes: use a new run directory")
-                elif os.pread(self._fd, 1, size - 1) != b"\n":
+                elif _cut_off(self._fd, size):
                     # Appending would glue the next record onto the cut one.
                     raise HistoryError(f"{path} was cut off mid-line: use a new run "
                                        f"directory")

@@ -219,3 +219,31 @@ def test_a_log_cut_off_mid_line_is_not_appended_to(tmp_path: Path) -> None:
     with pytest.raises(HistoryError, match="cut off mid-line"):
         LogWriter(path, WORKER_LOG)
     assert path.read_bytes() == cut
+
+
+_APPEND_MANY = """
+import sys
+from pathlib import Path
+from reports.history import ENQUEUE_LOG, EnqueueOp, LogWriter
+with LogWriter(Path(sys.argv[2]), ENQUEUE_LOG) as writer:
+    for i in range(5000):
+        writer.write(EnqueueOp(type="ok", job_id=f"{sys.argv[1]}-{i}-" + "x" * 200,
+                               time=1.0, process="p"))
+"""
+
+
+def test_a_log_being_appended_to_is_not_taken_for_cut_off(tmp_path: Path) -> None:
+    """Opening a log while other processes append to it may catch an append halfway: that
+    is a live writer, not a line cut off by a crash."""
+    path = tmp_path / "enqueues.csv"
+    LogWriter(path, ENQUEUE_LOG).close()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-c", _APPEND_MANY, f"p{n}", str(path)],
+                              env=env) for n in range(2)]
+    opened = 0
+    while any(p.poll() is None for p in procs):
+        LogWriter(path, ENQUEUE_LOG).close()
+        opened += 1
+    assert [p.wait() for p in procs] == [0, 0]
+    assert opened > 0
+    assert len(list(read_log(path, ENQUEUE_LOG))) == 10000
