@@ -438,8 +438,12 @@ def _unescaped(table: pa.Table) -> pa.Table:
         marked = pc.fill_null(pc.match_substring(column, "\\"), False)
         if not pc.any(marked).as_py():
             continue
-        decoded = pa.array([unescape_text(v) for v in column.filter(marked).to_pylist()],
-                           pa.string())
+        # Each distinct value once: a column of few values (accounts, workers) may have
+        # many cells with one.
+        escaped = column.filter(marked).dictionary_encode()
+        distinct = pa.array([unescape_text(v) for v in escaped.dictionary.to_pylist()],
+                            pa.string())
+        decoded = distinct.take(escaped.indices)
         table = table.set_column(i, f, pc.replace_with_mask(column, marked, decoded))
     return table
 

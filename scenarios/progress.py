@@ -141,19 +141,8 @@ class Sampler:
         # a few milliseconds apart, about an enqueue-to-delivery latency), so a delivery of no
         # known job waits for the next read of the enqueues, which is newer than it: a job
         # still unknown then was never invoked.
-        for op in self.enqueues.records():
-            kind = op.get("type")
-            if kind == "invoke":
-                self.invoked += 1
-                self.max_attempts[str(op.get("job_id"))] = int(op.get("max_attempts") or 0)
-            elif kind == "ok":
-                self.ok += 1
-            else:
-                self.errors += 1
-        waiting, self.waiting = self.waiting, []
-        for job in waiting:
-            if not self._count_attempt(job):
-                self.unexpected += 1
+        self._read_enqueues()
+        self._judge_waiting()
         for path in sorted((self.run_dir / DELIVERIES_DIR).glob(f"*{LOG_SUFFIX}")):
             tail = self.delivery_tails.setdefault(path, _Tail(path, DELIVERY_LOG))
             for record in tail.records():
@@ -166,6 +155,24 @@ class Sampler:
                     if job in self.succeeded:
                         self.duplicates += 1
                     self.succeeded.add(job)
+
+    def _read_enqueues(self) -> None:
+        for op in self.enqueues.records():
+            kind = op.get("type")
+            if kind == "invoke":
+                self.invoked += 1
+                self.max_attempts[str(op.get("job_id"))] = int(op.get("max_attempts") or 0)
+            elif kind == "ok":
+                self.ok += 1
+            else:
+                self.errors += 1
+
+    def _judge_waiting(self) -> None:
+        """Judge the deliveries that waited for this read of the enqueues."""
+        waiting, self.waiting = self.waiting, []
+        for job in waiting:
+            if not self._count_attempt(job):
+                self.unexpected += 1
 
     def _count_attempt(self, job: str) -> bool:
         """Count a delivery of `job` against its max_attempts; False if no invoke is known."""
@@ -211,8 +218,13 @@ class Sampler:
             counts[state.status.value] = counts.get(state.status.value, 0) + 1
         return counts
 
-    def sample(self, phase: str) -> Sample:
+    def sample(self, phase: str, *, final: bool = False) -> Sample:
+        """The counts now. `final`: nothing writes any more, so deliveries still waiting for
+        their invoke are judged against one more read of the enqueues."""
         self._read_files()
+        if final:
+            self._read_enqueues()
+            self._judge_waiting()
         counts = self.status_counts() or {}
         now = time.time()
         rate = 0.0

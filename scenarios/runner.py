@@ -235,9 +235,9 @@ class _SampleLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def take(self) -> Sample:
+    def take(self, *, final: bool = False) -> Sample:
         with self._lock:
-            sample = self.sampler.sample(self.phase)
+            sample = self.sampler.sample(self.phase, final=final)
             self.samples.append(sample)
             self.writer.write(sample)
         if self.observer is not None:
@@ -258,7 +258,7 @@ class _SampleLoop:
         self._stop.set()
         self._thread.join(timeout=10.0)
         with contextlib.suppress(Exception):
-            self.take()
+            self.take(final=True)
         self.writer.close()
         self.sampler.close()
 

@@ -108,3 +108,11 @@ def test_a_delivery_read_before_its_invoke_is_not_unexpected(tmp_path: Path) -> 
         enqueues.write({"type": "invoke", "job_id": "late", "max_attempts": 1})
     second = sampler.sample("load")
     assert (second.delivered, second.unexpected, second.over_attempts) == (2, 0, 1)
+
+
+def test_the_final_sample_judges_what_still_waits(tmp_path: Path) -> None:
+    LogWriter(tmp_path / ENQUEUES_FILE, ENQUEUE_LOG).close()
+    with LogWriter(tmp_path / DELIVERIES_DIR / "t.csv", DELIVERY_LOG) as dels:
+        dels.write(_delivery("ghost", "acme", 1))
+    sampler = Sampler(tmp_path, dsn=None, schema="s", limits={})
+    assert sampler.sample("done", final=True).unexpected == 1
