@@ -27,7 +27,6 @@ import re
 import signal
 import socket
 import struct
-import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -49,6 +48,7 @@ from reports.history import (
     read_log,
     unescape_text,
 )
+from scenarios.orphans import die_with_parent
 
 DEFAULT_HANG_CAP_SECONDS = 600.0
 # How long a stopping target waits for deliveries still being answered (slow, hang).
@@ -565,23 +565,6 @@ async def serve(
 # ----------------------------------------------------------------------------------------------
 
 
-def _die_with_parent(parent_pid: int | None) -> None:
-    """Ask Linux to SIGTERM this process when its parent dies, even by SIGKILL, so that a
-    killed harness never leaves a target serving (workers and the embedded server do the
-    same). Elsewhere, or if prctl is unavailable, a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-        # The parent may have died before prctl took effect.
-        if parent_pid is not None and os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 def _child_main(
     conn: Any,
     out_dir: str,
@@ -592,7 +575,7 @@ def _child_main(
     grace_seconds: float,
     parent_pid: int | None = None,
 ) -> None:
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     ready = False
 
     def on_ready(bound: int) -> None:

@@ -37,10 +37,8 @@ warnings.filterwarnings("ignore", message="Monkey-patching ssl after ssl")
 import locust  # noqa: F401
 
 # isort: on
-import contextlib
 import json
 import os
-import signal
 import sys
 import time
 import uuid
@@ -67,6 +65,7 @@ from reports.history import (
     EnqueueType,
     LogWriter,
 )
+from scenarios.orphans import die_with_parent
 from scenarios.spec import Chooser, ScenarioSpec, from_mapping
 
 # Errors the server raised about the statement itself: the transaction was rolled back
@@ -252,7 +251,7 @@ def _let_enqueues_finish(limit_seconds: float = 10.0) -> None:
 
 def main(config: Mapping[str, Any]) -> int:
     """Run one producer process until the load phase ends. `config` is plain JSON data."""
-    _die_with_parent()
+    die_with_parent()
     _cooperative_psycopg()
     spec = from_mapping(config["spec"]).validate()
     run_dir = Path(config["run_dir"])
@@ -331,20 +330,6 @@ def _cooperative_psycopg() -> None:
         raise RuntimeError("gevent has not patched select: import scenarios.producers first")
     if psycopg.waiting.wait is getattr(psycopg.waiting, "wait_c", None):
         psycopg.waiting.wait = psycopg.waiting.wait_poll
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when the runner dies, even by SIGKILL, so that no
-    producer outlives its run. Elsewhere a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _wait_for_workers(master: MasterRunner, count: int, deadline: float) -> None:

@@ -14,7 +14,6 @@ use), trust authentication, and a restart that the "restart PostgreSQL" fault ca
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.util
 import os
 import pwd
@@ -40,6 +39,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from queue_impl.plugins import redact
 from scenarios.errors import HarnessError, UsageError
+from scenarios.orphans import die_with_parent
 
 DSN_ENV = "SKIPLOCK_PG_DSN"
 
@@ -285,12 +285,10 @@ class _RunAs:
             os.chown(path, self.uid, self.gid)
 
 
-def _die_with_parent() -> None:
+def _kill_server_with_harness() -> None:
     """In the server's child before exec: if the harness dies without cleaning up (SIGKILL),
-    the kernel sends the postmaster SIGQUIT so no server is left behind."""
-    with contextlib.suppress(Exception):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGQUIT)
+    the kernel sends the postmaster SIGQUIT (its immediate shutdown)."""
+    die_with_parent(signum=signal.SIGQUIT)
 
 
 def _on_main_thread() -> bool:
@@ -419,7 +417,7 @@ class _Embedded(_Control):
                     stderr=subprocess.STDOUT,
                     cwd=self.root,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent if _on_main_thread() else None,
+                    preexec_fn=_kill_server_with_harness if _on_main_thread() else None,
                     **self.run_as.popen_kwargs(),
                 )
             self.dsn = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"

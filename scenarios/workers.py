@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,6 +37,7 @@ from reports.history import (
     parse_row,
 )
 from scenarios.errors import HarnessError, UsageError
+from scenarios.orphans import die_with_parent
 
 _RECORD_FIELDS = ("job_id", "attempt")
 
@@ -66,28 +66,13 @@ def _worker_main(
     spec: BackendFactory, config: DispatcherConfig, worker_id: str, events_path: str
 ) -> None:
     """Entry point of one worker process."""
-    _die_with_parent()
+    die_with_parent()
     writer = LogWriter(Path(events_path), WORKER_LOG)
     try:
         # run_worker writes the `stop` event itself, on every way out but a crash.
         run_worker(spec, config, worker_id, log_sink(writer, worker_id))
     finally:
         writer.close()
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process if the parent dies (even by SIGKILL), so a killed
-    harness never leaves workers running. Elsewhere this is a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-        if os.getppid() == 1:  # the parent already died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _has_start_event(path: Path, offset: int) -> bool:

@@ -323,3 +323,41 @@ def test_a_pool_started_again_on_its_old_logs_waits_for_its_own_start(
     path = pool.events_path("worker-0")
     assert path.read_text().count("kind,worker,") == 1
     assert [e["kind"] for e in events(path)] == ["start", "stop", "start", "stop"]
+
+
+_HARNESS_THAT_STARTS_A_TARGET = """
+import sys, time
+from pathlib import Path
+from chaos.target import TargetProcess
+target = TargetProcess(Path(sys.argv[1]))
+target.start()
+print(target.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_target_dies_with_a_harness_killed_by_sigkill(tmp_path: Path) -> None:
+    """SIGKILL leaves the harness no chance to clean up: the kernel's parent-death signal
+    is what stops the target it started."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with subprocess.Popen([sys.executable, "-c", _HARNESS_THAT_STARTS_A_TARGET, str(tmp_path)],
+                          stdout=subprocess.PIPE, text=True, env=env) as harness:
+        assert harness.stdout is not None
+        target_pid = int(harness.stdout.readline())
+        os.kill(target_pid, 0)  # running
+        harness.kill()
+        harness.wait(10)
+
+    def gone() -> bool | None:
+        try:
+            os.kill(target_pid, 0)
+        except ProcessLookupError:
+            return True
+        # A zombie until init reaps it still counts as gone.
+        try:
+            stat = Path(f"/proc/{target_pid}/stat").read_text()
+        except FileNotFoundError:
+            return True
+        return True if stat.split(") ")[1].startswith("Z") else None
+
+    assert wait_for("the orphaned target to exit", gone, limit=15.0)
