@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -355,6 +356,9 @@ _SCRIPT_COLUMNS: tuple[tuple[str, ColumnKind], ...] = (
 )
 
 
+_SCRIPT_NAMES = frozenset(name for name, _ in _SCRIPT_COLUMNS)
+
+
 def _flatten_script(record: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in record.items() if k != "script"}
     script = record.get("script")
@@ -394,7 +398,6 @@ def _unflatten_script(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_SCRIPT_NAMES = frozenset(name for name, _ in _SCRIPT_COLUMNS)
 _EVENT_BASE = ("kind", "worker", "time", "job_id", "attempt")
 
 
@@ -422,12 +425,16 @@ class LogFormat:
     flatten: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     unflatten: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
-    @property
+    @cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.columns)
 
+    @cached_property
+    def _kinds(self) -> dict[str, ColumnKind]:
+        return dict(self.columns)
+
     def kind(self, name: str) -> ColumnKind | None:
-        return dict(self.columns).get(name)
+        return self._kinds.get(name)
 
     def header(self) -> str:
         return ",".join(self.names) + "\n"
@@ -436,7 +443,7 @@ class LogFormat:
         """The record as one CSV line. A field with no column is a programming error."""
         data = record if isinstance(record, Mapping) else to_record(record)
         flat = self.flatten(data) if self.flatten else dict(data)
-        unknown = set(flat) - set(self.names)
+        unknown = flat.keys() - self._kinds.keys()
         if unknown:
             raise ValueError(f"{self.what} has fields with no column: {sorted(unknown)}")
         return ",".join(_cell(flat.get(name), kind) for name, kind in self.columns) + "\n"
