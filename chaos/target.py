@@ -45,6 +45,7 @@ from reports.history import (
     JobScript,
     LogWriter,
     Step,
+    arrow_convert_options,
     read_log,
     unescape_text,
 )
@@ -198,10 +199,7 @@ def _earlier_deliveries(path: Path, name: str) -> Iterator[tuple[str, Any, Any, 
     columns = {"job_id": pa.string(), "target": pa.string(), "seen": pa.float64(),
                "status": pa.float64(), "behaviour": pa.string()}
     try:
-        table = pacsv.read_csv(
-            path, convert_options=pacsv.ConvertOptions(
-                column_types=columns, include_columns=list(columns),
-                include_missing_columns=True, null_values=[""], strings_can_be_null=True))
+        table = pacsv.read_csv(path, convert_options=arrow_convert_options(columns))
         rows: Iterable[tuple[Any, ...]] = zip(
             *(table.column(c).to_pylist() for c in columns), strict=True)
     except pa.ArrowInvalid:

@@ -72,6 +72,7 @@ from reports.history import (
     HistoryError,
     LogFormat,
     WorkerEventKind,
+    arrow_convert_options,
     parse_header,
     parse_row,
     read_json,
@@ -463,13 +464,8 @@ def _read_csv(data: bytes | mmap.mmap, end: int, source: _Source) -> pa.Table | 
             pa.BufferReader(pa.py_buffer(memoryview(data)[:end])),
             read_options=pacsv.ReadOptions(block_size=_BLOCK_BYTES),
             parse_options=pacsv.ParseOptions(ignore_empty_lines=False),
-            convert_options=pacsv.ConvertOptions(
-                column_types=source.schema, include_columns=source.schema.names,
-                include_missing_columns=True,
-                # Only an empty field is null, and only `true` / `false` are booleans, as
-                # in `reports.history.parse_cell`.
-                null_values=[""], strings_can_be_null=True,
-                true_values=["true"], false_values=["false"]),
+            convert_options=arrow_convert_options(
+                {f.name: f.type for f in source.schema}),
         )
     except (pa.ArrowInvalid, UnicodeDecodeError):
         return None

@@ -606,6 +606,18 @@ def parse_cell(text: str, kind: ColumnKind | None) -> Any:
     return unescape_text(text)
 
 
+def arrow_convert_options(column_types: Mapping[str, Any]) -> Any:
+    """pyarrow.csv options that read the named columns of a log as `parse_cell` does: only
+    an empty field is null, only `true` / `false` are booleans; a column the file lacks
+    reads as null. `column_types` maps each column to read to its Arrow type."""
+    import pyarrow.csv as pacsv  # type: ignore[import-untyped]  # only readers need Arrow
+
+    return pacsv.ConvertOptions(
+        column_types=dict(column_types), include_columns=list(column_types),
+        include_missing_columns=True, null_values=[""], strings_can_be_null=True,
+        true_values=["true"], false_values=["false"])
+
+
 def read_log(path: Path, log: LogFormat) -> Iterator[dict[str, Any]]:
     """Yield the records of a CSV log, unflattened to the shape they were written in. A last
     line without its newline means the file was cut off mid-write: that is a HistoryError,
