@@ -77,16 +77,10 @@ def build_oracle(script: JobScript, max_attempts: int, http_timeout_seconds: flo
         outcome = step_outcome(script.step_for(number), http_timeout_seconds)
         outcomes.append(outcome)
         match outcome:
-            case Outcome.SUCCESS:
+            case Outcome.SUCCESS | Outcome.PERMANENT:
                 return Oracle(
-                    expected=Expected.COMPLETED,
-                    deliveries=number,
-                    max_attempts=max_attempts,
-                    outcomes=tuple(outcomes),
-                )
-            case Outcome.PERMANENT:
-                return Oracle(
-                    expected=Expected.FAILED,
+                    expected=(Expected.COMPLETED if outcome is Outcome.SUCCESS
+                              else Expected.FAILED),
                     deliveries=number,
                     max_attempts=max_attempts,
                     outcomes=tuple(outcomes),
