@@ -150,10 +150,12 @@ def shortcut(kinds: str) -> tuple[NemesisSpec, ...]:
     """`--nemesis KIND[,KIND]`: each kind once a second into the load, then every few
     seconds (its default window), on one worker or target."""
     specs = []
-    for kind in (k.strip() for k in kinds.split(",")):
+    for index, kind in enumerate(k.strip() for k in kinds.split(",")):
         if not kind:
             raise NemesisError("--nemesis expects KIND[,KIND...], e.g. kill_worker,pause_worker")
-        specs.append(NemesisSpec(kind=kind, at=1.0, interval=DEFAULT_INTERVAL.get(kind, 4.0),
+        # Staggered, so that two kinds do not strike the same worker at the same moment.
+        specs.append(NemesisSpec(kind=kind, at=1.0 + 0.7 * index,
+                                 interval=DEFAULT_INTERVAL.get(kind, 4.0),
                                  external="skip").validate())
     return tuple(specs)
 
@@ -433,12 +435,17 @@ class ScheduledNemesis:
         active = _Active(fault=fault, hit=hit, start=start)
         self._say(f"fault: {planned.kind} on {', '.join(str(h or 'the run') for h in hit)}")
         if planned.duration <= 0:
-            self._close(active)
+            with contextlib.suppress(Exception):
+                self._close(active)
             return
         with self._lock:
             self._active.append(active)
         self._stop.wait(planned.duration)
-        self._close(active)
+        try:
+            self._close(active)
+        except Exception as exc:
+            # Recorded all the same (see _close); say why the heal failed, once.
+            self._say(f"fault: healing {planned.kind} failed: {type(exc).__name__}: {exc}")
 
     def _skip(self, fault: Fault, start: float, reason: str, end: float | None = None) -> None:
         self.skipped += 1

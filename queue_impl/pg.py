@@ -118,7 +118,7 @@ class PgQueue:
             self._dsn,
             autocommit=role is Role.LISTEN,
             row_factory=dict_row,
-            application_name=f"skiplock-{self.variant}-{role.value}",
+            application_name=f"{_application_name(self.variant)}-{role.value}",
         )
         try:
             # The claim's limit proof needs READ COMMITTED (its second statement must see what
@@ -419,6 +419,15 @@ class PgQueue:
                 return [str(next(iter(row.values()))) for row in cur.fetchall()]
             finally:
                 conn.rollback()
+
+
+# Set by the harness in each worker process it starts, so that a fault can find exactly the
+# system under test's sessions in pg_stat_activity (and never the harness's own).
+APPLICATION_NAME_ENV = "SKIPLOCK_APPLICATION_NAME"
+
+
+def _application_name(variant: str) -> str:
+    return os.environ.get(APPLICATION_NAME_ENV) or f"skiplock-{variant}"
 
 
 def _items(leases: Sequence[Lease]) -> dict[str, list[Any]]:

@@ -197,7 +197,7 @@ class Delivery:
 
 
 WorkerEventKind = Literal[
-    "start",  # worker process started (fields: pid)
+    "start",  # worker process started (fields: pid; replaces: the dead worker it replaces)
     "stop",  # worker process leaving cleanly (fields: reason)
     "claim",  # got a lease (job_id, attempt, lease_token, locked_until)
     "http",  # an HTTP call ended (job_id, attempt, start, end, result, status, error)
@@ -226,6 +226,7 @@ FaultKind = Literal[
     "crash_after_claim",  # failpoint: die after claim, before HTTP
     "crash_after_http",  # failpoint: die after a successful HTTP call, before the DB write
     "hang_target",  # the target holds requests past the HTTP timeout
+    "kill_target",  # SIGKILL an echo target, restarted on its address at the end
     "pause_worker",  # SIGSTOP past the lease, then SIGCONT
     "terminate_backends",  # pg_terminate_backend on the queue's connections
     "restart_postgres",  # stop and start the server the harness owns
@@ -509,7 +510,8 @@ WORKER_LOG = LogFormat(
              ("attempt", "num"), ("result", "str"), ("status", "num"), ("start", "num"),
              ("end", "num"), ("started", "num"), ("outcome", "str"), ("error", "str"),
              ("lease_token", "str"), ("locked_until", "str"), ("lost", "bool"),
-             ("name", "str"), ("count", "num"), ("pid", "num"), ("reason", "str")),
+             ("name", "str"), ("count", "num"), ("pid", "num"), ("reason", "str"),
+             ("replaces", "str")),
     flatten=_flatten_event,
     unflatten=_unflatten_event,
 )

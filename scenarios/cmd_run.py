@@ -7,12 +7,14 @@ Ends with the verdict and the judging exit code: 0 valid, 1 a guarantee violated
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 from pathlib import Path
 
 from rich.console import Console
 
+from chaos.nemesis import NemesisError, shortcut
 from scenarios.errors import UsageError
 from scenarios.spec import ScenarioSpec, SpecError, available, load
 
@@ -44,6 +46,11 @@ def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, help="claim batch size")
     parser.add_argument("--distributed", action="store_true",
                         help="run producers as a Locust master plus --producers workers")
+    parser.add_argument("--nemesis", default=None, metavar="KIND[,KIND]",
+                        help="add faults to the scenario's schedule, each about every few"
+                        " seconds of the load: kill_worker, pause_worker, crash_after_claim,"
+                        " crash_after_http, hang_target, kill_target, terminate_backends,"
+                        " restart_postgres, pin_xmin, exhaust_pool")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE",
                         help="override any scenario key, e.g. --set lease=5 --set mix.slow=2")
@@ -82,7 +89,10 @@ def resolve(args: argparse.Namespace, scenario: str) -> tuple[ScenarioSpec, int]
         overrides.append("distributed=true")
     try:
         spec = load(scenario, overrides)
-    except SpecError as exc:
+        if args.nemesis:
+            spec = dataclasses.replace(
+                spec, nemesis=(*spec.nemesis, *shortcut(args.nemesis))).validate()
+    except (SpecError, NemesisError) as exc:
         raise UsageError(str(exc)) from None
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     return spec, seed

@@ -52,8 +52,8 @@ from reports.history import (
 from reports.selfdescribe import describe
 from scenarios.errors import HarnessError, UsageError
 from scenarios.progress import Observer, Sample, Sampler, SampleWriter
-from scenarios.provision import PgServer, postgres, redact_dsn
-from scenarios.spec import ScenarioSpec
+from scenarios.provision import DSN_ENV, PgServer, postgres, redact_dsn
+from scenarios.spec import FAILPOINT_NAMES, ScenarioSpec
 
 DEFAULT_OUT = Path("runs")
 
@@ -116,6 +116,103 @@ class _Ctx:
     server: PgServer
     pool: Any
     nemesis_log: JsonlWriter
+    # What a scheduled nemesis needs besides (chaos.nemesis.NemesisContext).
+    schema: str = ""
+    target: Any = None
+    spec: ScenarioSpec | None = None
+    load_start: float = 0.0
+
+
+FAILPOINTS_FILE = "failpoints.json"
+
+
+class _TargetHandle:
+    """The run's echo target as a fault sees it (chaos.nemesis.TargetHandle)."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+        self.name = str(target.name)
+
+    def hang(self, seconds: float) -> None:
+        self._target.hang(seconds)
+
+    def kill(self) -> None:
+        self._target.kill()
+
+    def restart(self) -> None:
+        self._target.restart()
+
+
+class _FaultContext:
+    """chaos.nemesis.NemesisContext over a running run."""
+
+    def __init__(self, ctx: _Ctx) -> None:
+        assert ctx.spec is not None
+        self._ctx = ctx
+        self.run_dir = ctx.run_dir
+        self.dsn = ctx.server.dsn
+        self.schema = ctx.schema
+        self.app_prefix = app_prefix(ctx.schema)
+        self.server_owned = ctx.server.owned
+        self.lease_seconds = ctx.spec.lease
+        self.http_timeout_seconds = ctx.spec.http_timeout
+        self._failpoints: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def restart_server(self) -> None:
+        self._ctx.server.restart("immediate")
+
+    def targets(self) -> list[_TargetHandle]:
+        return [] if self._ctx.target is None else [_TargetHandle(self._ctx.target)]
+
+    def workers_alive(self) -> list[str]:
+        return list(self._ctx.pool.running())
+
+    def workers_holding_leases(self) -> list[str]:
+        return list(self._ctx.pool.holding_leases())
+
+    def signal_worker(self, worker_id: str, signum: int) -> None:
+        self._ctx.pool.send_signal(worker_id, signum)
+
+    def set_failpoint(self, name: str, probability: float) -> None:
+        with self._lock:
+            self._failpoints[name] = probability
+            path = self.run_dir / FAILPOINTS_FILE
+            partial = path.with_name(path.name + ".partial")
+            write_json(partial, dict(self._failpoints))
+            # Replaced whole: a worker never reads a half-written file.
+            os.replace(partial, path)
+
+
+def app_prefix(schema: str) -> str:
+    """application_name prefix of the system under test's sessions in this run."""
+    return f"skiplock-sut-{schema}-"
+
+
+class _ScheduleNemesis:
+    """The scenario's `[[nemesis]]` schedule as the runner's Nemesis."""
+
+    def __init__(self, planned: list[Any], say: Callable[[str], None]) -> None:
+        self.planned = planned
+        self._say = say
+        self._running: Any = None
+
+    def start(self, ctx: RunContext, seed: int) -> None:
+        from chaos.nemesis import ScheduledNemesis
+
+        assert isinstance(ctx, _Ctx)
+        lock = threading.Lock()
+
+        def record(event: Any) -> None:
+            with lock:
+                ctx.nemesis_log.write(event)
+
+        self._running = ScheduledNemesis(self.planned, record, self._say)
+        self._running.start(_FaultContext(ctx), ctx.load_start)
+
+    def stop(self) -> None:
+        if self._running is not None:
+            self._running.stop()
 
 
 def new_run_dir(out: Path, spec: ScenarioSpec, seed: int) -> Path:
@@ -381,10 +478,24 @@ def run_scenario(
     announce: Callable[[str], None] | None = None,
 ) -> RunResult:
     """Run `spec` and judge it. Raises HarnessError when the harness itself fails."""
+    from chaos.nemesis import NemesisError, check_schedule, plan
     from reports.checker import check_run, write_verdict
     from scenarios.workers import WorkerPool
 
     say = announce or (lambda _message: None)
+    planned: list[Any] = []
+    if nemesis is None and spec.nemesis:
+        # Refused before anything starts: a fault that needs a server the harness owns,
+        # against a DSN it was given.
+        external = bool(options.dsn or os.environ.get(DSN_ENV))
+        try:
+            check_schedule(spec.nemesis, load_seconds=spec.duration,
+                           server_owned=not external)
+        except NemesisError as exc:
+            raise UsageError(str(exc)) from None
+        planned = plan(spec.nemesis, seed=options.seed, load_seconds=spec.duration,
+                       lease_seconds=spec.lease, http_timeout_seconds=spec.http_timeout)
+        nemesis = _ScheduleNemesis(planned, say)
     nemesis = nemesis or NoNemesis()
     run_dir = new_run_dir(options.out, spec, options.seed)
     (run_dir / LOCUST_DIR).mkdir()
@@ -438,6 +549,7 @@ def run_scenario(
                 "backend": backend_spec.display() if backend_spec else options.backend,
                 "schema": schema,
                 "sql_path": options.sql_path,
+                "nemesis_schedule": [p.to_json() for p in planned],
                 **description,
                 **extra,
             },
@@ -500,6 +612,9 @@ def run_scenario(
             target = stack.enter_context(_target(run_dir))
             allow = (f"{target.host}:{target.port}",)
             config = dataclasses.replace(dispatcher_config(spec, allow), seed=options.seed)
+            if any(p.kind in FAILPOINT_NAMES for p in planned):
+                config = dataclasses.replace(
+                    config, failpoint_file=str(run_dir / FAILPOINTS_FILE))
 
             loop = _SampleLoop(Sampler(run_dir, server.dsn, schema, queue,
                                        limits=dict(spec.accounts)),
@@ -508,7 +623,9 @@ def run_scenario(
             stack.callback(loop.stop)
 
             pool = stack.enter_context(
-                WorkerPool(backend_spec, config, spec.workers, run_dir / WORKERS_DIR)
+                WorkerPool(backend_spec, config, spec.workers, run_dir / WORKERS_DIR,
+                           supervise=spec.supervise, restart_delay=spec.restart_delay,
+                           app_prefix=app_prefix(schema))
             )
             pool.start()
             say(f"{spec.workers} workers, target {target.url}")
@@ -520,11 +637,19 @@ def run_scenario(
             start_at = _go(run_dir, producers)
             phase("warmup")
             nemesis.start(_Ctx(run_dir=run_dir, server=server, pool=pool,
-                               nemesis_log=nemesis_log), options.seed)
+                               nemesis_log=nemesis_log, schema=schema, target=target,
+                               spec=spec, load_start=start_at + spec.warmup), options.seed)
             try:
                 stopped = _wait_phases(spec, producers, start_at, phase)
             finally:
                 nemesis.stop()
+            if planned:
+                applied = sum(1 for _ in _read_faults(run_dir) if not _.get("skipped"))
+                say(f"faults healed: {applied} applied of {len(planned)} planned"
+                    + (f", {pool.replacements} worker(s) replaced" if pool.replacements else ""))
+            if spec.quiesce > 0:
+                phase("quiesce")
+                time.sleep(spec.quiesce)
             if stopped:
                 say(f"stopped producer(s) that overran the load phase: {', '.join(stopped)}")
                 phases[-1]["producers_stopped"] = stopped
@@ -542,6 +667,9 @@ def run_scenario(
                 say(f"drain timed out after {spec.drain_timeout:g} s")
             pool.stop(grace_seconds=options.worker_grace_seconds)
             phase("")
+            # A fresh session: a fault (backends terminated, the server restarted) may have
+            # cut the one this queue object opened earlier.
+            queue.close()
             final_jobs = _write_final_jobs(run_dir / FINAL_JOBS_FILE, queue.snapshot())
             snapshot_note = "taken after the drain"
             exit_reason = "completed"
@@ -652,3 +780,10 @@ def _check_producers(producers: list[Any], stopped: Collection[str] = ()) -> Non
     if failed:
         raise HarnessError(f"producer process(es) failed: {', '.join(failed)}"
                            " (see stderr above)")
+
+
+def _read_faults(run_dir: Path) -> Iterator[dict[str, Any]]:
+    from reports.history import read_jsonl
+
+    with contextlib.suppress(HistoryError, OSError):
+        yield from read_jsonl(run_dir / NEMESIS_FILE)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chaos.nemesis import NemesisError, NemesisSpec, check_schedule, spec_from_mapping
 from reports.history import Behaviour, JobScript, Step
 
 SPECS_DIR = Path(__file__).parent / "specs"
@@ -83,12 +84,26 @@ class ScenarioSpec:
     slow_seconds: float = 0.2
     # 0 means "the HTTP timeout plus half a second": late, but not by much.
     hang_seconds: float = 0.0
-    # account id -> concurrency limit
-    accounts: Mapping[str, int] = field(default_factory=lambda: {"acme": 4})
+    # account id -> concurrency limit; None (written "unlimited") means no limit, so only the
+    # row locks keep two workers off one of its jobs.
+    accounts: Mapping[str, int | None] = field(default_factory=lambda: {"acme": 4})
     # script name -> weight
     mix: Mapping[str, float] = field(default_factory=lambda: {"succeed": 1.0})
+    # account id -> share of the jobs (default: every account alike); a noisy neighbour is
+    # one account with most of the weight.
+    account_mix: Mapping[str, float] = field(default_factory=dict)
     # dispatcher failpoint name -> probability per attempt (the worker dies when one fires)
     failpoints: Mapping[str, float] = field(default_factory=dict)
+    # The fault schedule: `[[nemesis]]` entries (chaos.nemesis.NemesisSpec), seeded by the
+    # run's seed, applied during the load phase and healed before the drain.
+    nemesis: tuple[NemesisSpec, ...] = ()
+    # Seconds between healing the last fault and the drain, with the load stopped, so that
+    # recovery (leases expiring, workers replaced) happens before the drain is timed.
+    quiesce: float = 0.0
+    # Replace a worker process that dies (killed, crashed at a failpoint), as a supervisor
+    # would in production; the replacement's `start` event names the worker it replaces.
+    supervise: bool = True
+    restart_delay: float = 0.5
 
     # ---------------------------------------------------------------------------------------
 
@@ -131,6 +146,8 @@ class ScenarioSpec:
             "retry_base": self.retry_base,
             "slow_seconds": self.slow_seconds,
             "hang_seconds": self.hang_seconds,
+            "quiesce": self.quiesce,
+            "restart_delay": self.restart_delay,
         }
         for key, value in non_negative.items():
             if value < 0:
@@ -151,7 +168,7 @@ class ScenarioSpec:
         if not self.accounts:
             raise SpecError("accounts is empty: give at least one, e.g. --set accounts.acme=4")
         for account, limit in self.accounts.items():
-            if limit <= 0:
+            if limit is not None and limit <= 0:
                 raise SpecError(f"accounts.{account} limit must be positive (got {limit})")
         for script, weight in self.mix.items():
             if script not in SCRIPT_NAMES:
@@ -160,6 +177,14 @@ class ScenarioSpec:
                 )
             if weight < 0:
                 raise SpecError(f"mix.{script} weight must not be negative (got {weight})")
+        for account, weight in self.account_mix.items():
+            if account not in self.accounts:
+                raise SpecError(f"account_mix.{account}: no such account in [accounts]")
+            if weight < 0:
+                raise SpecError(f"account_mix.{account} weight must not be negative "
+                                f"(got {weight})")
+        if self.account_mix and sum(self.account_weights()) <= 0:
+            raise SpecError("account_mix weights sum to 0: give an account a positive weight")
         for point, probability in self.failpoints.items():
             if point not in FAILPOINT_NAMES:
                 raise SpecError(
@@ -167,6 +192,16 @@ class ScenarioSpec:
                 )
             if not 0.0 <= probability <= 1.0:
                 raise SpecError(f"failpoints.{point} must be between 0 and 1 (got {probability})")
+        for entry in self.nemesis:
+            try:
+                entry.validate()
+                check_schedule([entry], load_seconds=self.duration)
+            except NemesisError as exc:
+                raise SpecError(str(exc)) from None
+        if self.failpoints and self.nemesis and any(
+                n.kind in FAILPOINT_NAMES for n in self.nemesis):
+            raise SpecError("give crash failpoints either as [failpoints] or as [[nemesis]]"
+                            " entries, not both")
         if sum(self.mix.values()) <= 0:
             raise SpecError("mix weights sum to 0: give at least one script a positive weight")
         return self
@@ -175,6 +210,10 @@ class ScenarioSpec:
 
     def account_limits(self) -> dict[str, int | None]:
         return {account: limit for account, limit in self.accounts.items()}
+
+    def account_weights(self) -> list[float]:
+        """Each account's share, in sorted account order (unnamed accounts weigh 1)."""
+        return [float(self.account_mix.get(a, 1.0)) for a in sorted(self.accounts)]
 
     def effective_hang_seconds(self) -> float:
         return self.hang_seconds if self.hang_seconds > 0 else self.http_timeout + 0.5
@@ -212,6 +251,8 @@ class ScenarioSpec:
         out["accounts"] = dict(self.accounts)
         out["mix"] = dict(self.mix)
         out["failpoints"] = dict(self.failpoints)
+        out["account_mix"] = dict(self.account_mix)
+        out["nemesis"] = [entry.to_json() for entry in self.nemesis]
         return out
 
 
@@ -223,6 +264,7 @@ class Chooser:
     scripts: Sequence[JobScript]
     weights: Sequence[float]
     accounts: Sequence[str]
+    account_weights: Sequence[float]
     rng: random.Random
 
     @classmethod
@@ -232,13 +274,15 @@ class Chooser:
             scripts=list(scripts.values()),
             weights=[spec.mix[name] for name in scripts],
             accounts=sorted(spec.accounts),
+            account_weights=spec.account_weights(),
             # A string seed is hashed deterministically (sha512), unlike hash().
             rng=random.Random(f"{seed}:{stream}"),
         )
 
     def next(self) -> tuple[JobScript, str]:
         script = self.rng.choices(self.scripts, weights=self.weights, k=1)[0]
-        return script, self.rng.choice(self.accounts)
+        account = self.rng.choices(self.accounts, weights=self.account_weights, k=1)[0]
+        return script, account
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,12 +290,14 @@ class Chooser:
 # --------------------------------------------------------------------------------------------
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ScenarioSpec)}
-_TABLES = ("accounts", "mix", "failpoints")
-SCALAR_KEYS: tuple[str, ...] = tuple(k for k in _FIELDS if k not in _TABLES)
+_TABLES = ("accounts", "mix", "failpoints", "account_mix")
+SCALAR_KEYS: tuple[str, ...] = tuple(k for k in _FIELDS if k not in (*_TABLES, "nemesis"))
+UNLIMITED = "unlimited"
 
 
 def _valid_keys() -> str:
-    return ", ".join([*SCALAR_KEYS, "accounts.<id>", "mix.<script>", "failpoints.<name>"])
+    return ", ".join([*SCALAR_KEYS, "accounts.<id>", "mix.<script>", "failpoints.<name>",
+                      "[[nemesis]]"])
 
 
 def available() -> list[str]:
@@ -314,14 +360,38 @@ def from_mapping(raw: Mapping[str, Any], *, default_name: str = "custom") -> Sce
         if key in _TABLES:
             if not isinstance(value, Mapping):
                 raise SpecError(f"{key} must be a table of name = number")
-            kind = "int" if key == "accounts" else "float"
-            values[key] = {str(k): _coerce(f"{key}.{k}", v, kind) for k, v in value.items()}
+            values[key] = {str(k): _table_value(key, str(k), v) for k, v in value.items()}
+        elif key == "nemesis":
+            values[key] = _nemesis_entries(value)
         elif key in _FIELDS:
             values[key] = _coerce(key, value, _FIELDS[key].type)
         else:
             raise SpecError(f"unknown key {key!r} in scenario; valid keys: {_valid_keys()}")
     values.setdefault("name", default_name)
     return ScenarioSpec(**values)
+
+
+def _table_value(table: str, key: str, value: Any) -> Any:
+    """One entry of `accounts`, `mix` or `failpoints`; an account may be "unlimited"."""
+    if table == "accounts":
+        # None: the same spec read back from spec.json (JSON null).
+        if value is None or (isinstance(value, str) and value.strip().lower() == UNLIMITED):
+            return None
+        try:
+            return _coerce(f"{table}.{key}", value, "int")
+        except SpecError:
+            raise SpecError(f"{table}.{key} must be a positive whole number or "
+                            f"\"{UNLIMITED}\" (got {value!r})") from None
+    return _coerce(f"{table}.{key}", value, "float")
+
+
+def _nemesis_entries(value: Any) -> tuple[NemesisSpec, ...]:
+    if not isinstance(value, list):
+        raise SpecError("nemesis must be an array of tables: [[nemesis]] kind = \"...\"")
+    try:
+        return tuple(spec_from_mapping(entry, f"nemesis[{i}]") for i, entry in enumerate(value))
+    except NemesisError as exc:
+        raise SpecError(str(exc)) from None
 
 
 def apply_overrides(spec: ScenarioSpec, overrides: Sequence[str]) -> ScenarioSpec:
@@ -335,8 +405,7 @@ def apply_overrides(spec: ScenarioSpec, overrides: Sequence[str]) -> ScenarioSpe
             raise SpecError(f"--set expects key=value (got {item!r})")
         table, dot, sub = key.partition(".")
         if dot and table in _TABLES and sub:
-            kind = "int" if table == "accounts" else "float"
-            tables[table][sub] = _coerce(key, value.strip(), kind)
+            tables[table][sub] = _table_value(table, sub, value.strip())
             changes[table] = tables[table]
         elif key in SCALAR_KEYS:
             changes[key] = _coerce(key, value.strip(), _FIELDS[key].type)

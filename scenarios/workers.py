@@ -13,8 +13,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ from queue_impl.dispatcher import (
     run_worker,
     validate_worker_count,
 )
+from queue_impl.pg import APPLICATION_NAME_ENV
 from reports.history import (
     LOG_SUFFIX,
     WORKER_LOG,
@@ -42,11 +46,14 @@ from scenarios.orphans import die_with_parent
 _RECORD_FIELDS = ("job_id", "attempt")
 
 
-def log_sink(writer: LogWriter, worker_id: str) -> EventSink:
-    """The dispatcher's events as `WorkerEvent` records in `writer`'s log, one line each."""
+def log_sink(writer: LogWriter, worker_id: str, replaces: str | None = None) -> EventSink:
+    """The dispatcher's events as `WorkerEvent` records in `writer`'s log, one line each; a
+    replacement's `start` event names the worker it replaces."""
 
     def sink(kind: str, fields: Mapping[str, Any]) -> None:
         data = {k: v for k, v in fields.items() if k not in _RECORD_FIELDS}
+        if kind == "start" and replaces is not None:
+            data["replaces"] = replaces
         attempt = fields.get("attempt")
         writer.write(
             WorkerEvent(
@@ -63,14 +70,25 @@ def log_sink(writer: LogWriter, worker_id: str) -> EventSink:
 
 
 def _worker_main(
-    spec: BackendFactory, config: DispatcherConfig, worker_id: str, events_path: str
+    spec: BackendFactory,
+    config: DispatcherConfig,
+    worker_id: str,
+    events_path: str,
+    app_prefix: str | None = None,
+    replaces: str | None = None,
 ) -> None:
     """Entry point of one worker process."""
     die_with_parent()
+    if app_prefix is not None:
+        # Every session this worker opens carries its name, so a fault can cut exactly the
+        # system under test's connections (PGAPPNAME for plug-ins that use libpq's default).
+        name = f"{app_prefix}{worker_id}"
+        os.environ[APPLICATION_NAME_ENV] = name
+        os.environ["PGAPPNAME"] = name
     writer = LogWriter(Path(events_path), WORKER_LOG)
     try:
         # run_worker writes the `stop` event itself, on every way out but a crash.
-        run_worker(spec, config, worker_id, log_sink(writer, worker_id))
+        run_worker(spec, config, worker_id, log_sink(writer, worker_id, replaces))
     finally:
         writer.close()
 
@@ -92,8 +110,73 @@ def _has_start_event(path: Path, offset: int) -> bool:
     return bool(parse_row(path, 2, first.decode(), names, WORKER_LOG)["kind"] == "start")
 
 
+class _LeaseTracker:
+    """Which workers hold a lease now, read from their event logs as they grow: a `claim`
+    opens an attempt, its `write` (any result) or `release` closes it. Reads only whole
+    lines; a worker that died keeps its open attempts (it held them when it died)."""
+
+    def __init__(self) -> None:
+        self._offsets: dict[Path, int] = {}
+        self._names: dict[Path, list[str]] = {}
+        self._open: dict[str, set[tuple[str, int]]] = {}
+        self._lock = threading.Lock()
+
+    def holding(self, logs: Mapping[str, Path]) -> list[str]:
+        with self._lock:
+            for worker_id, path in logs.items():
+                self._read(worker_id, path)
+            return [w for w in logs if self._open.get(w)]
+
+    def _read(self, worker_id: str, path: Path) -> None:
+        try:
+            with path.open("rb") as fh:
+                if path not in self._names:
+                    header = fh.readline()
+                    if not header.endswith(b"\n"):
+                        return
+                    self._names[path] = parse_header(path, header.decode(), WORKER_LOG)
+                    self._offsets[path] = len(header)
+                fh.seek(self._offsets[path])
+                data = fh.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n") + 1
+        self._offsets[path] += end
+        held = self._open.setdefault(worker_id, set())
+        for number, line in enumerate(data[:end].decode().splitlines(), start=2):
+            try:
+                row = parse_row(path, number, line, self._names[path], WORKER_LOG)
+            except HistoryError:
+                continue
+            if row.get("job_id") is None or row.get("attempt") is None:
+                continue
+            key = (str(row["job_id"]), int(row["attempt"]))
+            if row["kind"] == "claim":
+                held.add(key)
+            elif row["kind"] in ("write", "release"):
+                held.discard(key)
+
+
+@dataclass(kw_only=True)
+class _Worker:
+    """One worker process, and the slot it fills."""
+
+    worker_id: str
+    slot: int
+    process: Any
+    replaces: str | None = None
+    died_at: float | None = None
+
+
 class WorkerPool:
-    """`count` dispatcher processes sharing one backend spec and config."""
+    """`count` dispatcher processes sharing one backend spec and config.
+
+    With `supervise`, a worker that dies (killed, crashed at a failpoint, an error) is
+    replaced after `restart_delay` seconds by a new process with a new worker id
+    (`worker-0` is followed by `worker-0.1`, `worker-0.2`, ...), whose `start` event names
+    the worker it replaces, as a process supervisor would in production: a run with crash
+    faults drains instead of stalling. Each id has its own event log, so the history tells
+    the processes apart."""
 
     def __init__(
         self,
@@ -102,6 +185,10 @@ class WorkerPool:
         count: int,
         events_dir: Path,
         name_prefix: str = "worker",
+        *,
+        supervise: bool = False,
+        restart_delay: float = 0.5,
+        app_prefix: str | None = None,
     ) -> None:
         validate_worker_count(count)
         config.validate()
@@ -109,12 +196,37 @@ class WorkerPool:
         self.config = config
         self.events_dir = Path(events_dir)
         self.worker_ids = [f"{name_prefix}-{i}" for i in range(count)]
+        self.supervise = supervise
+        self.restart_delay = restart_delay
+        self.app_prefix = app_prefix
         self._context = multiprocess.get_context("spawn")
         self._processes: list[Any] = []
         self._log_offsets: list[int] = []
+        # Every process ever started, and the current one of each slot.
+        self._workers: list[_Worker] = []
+        self._current: list[_Worker] = []
+        self._generation = [0] * count
+        self._stopping = threading.Event()
+        self._spawn_lock = threading.Lock()
+        self._supervisor: threading.Thread | None = None
+        self._leases = _LeaseTracker()
+        self.replacements = 0
 
     def events_path(self, worker_id: str) -> Path:
         return self.events_dir / f"{worker_id}{LOG_SUFFIX}"
+
+    def _spawn(self, worker_id: str, slot: int, replaces: str | None) -> _Worker:
+        process = self._context.Process(
+            target=_worker_main,
+            args=(self.spec, self.config, worker_id, str(self.events_path(worker_id)),
+                  self.app_prefix, replaces),
+            name=worker_id,
+            daemon=False,
+        )
+        process.start()
+        worker = _Worker(worker_id=worker_id, slot=slot, process=process, replaces=replaces)
+        self._workers.append(worker)
+        return worker
 
     def start(self, timeout: float = 60.0) -> None:
         """Start every worker and wait until each has written its `start` event, so a stop
@@ -128,28 +240,49 @@ class WorkerPool:
         # skipped.
         paths = [self.events_path(worker_id) for worker_id in self.worker_ids]
         for path in sorted(paths, key=lambda p: not p.exists()):
-            try:
-                LogWriter(path, WORKER_LOG).close()
-            except HistoryError as exc:
-                raise UsageError(str(exc)) from None
-            except OSError as exc:
-                raise UsageError(f"cannot write the event log {path}: "
-                                 f"{exc.strerror or exc}") from None
+            _check_log(path)
         self._log_offsets = [path.stat().st_size for path in paths]
         try:
-            for worker_id in self.worker_ids:
-                process = self._context.Process(
-                    target=_worker_main,
-                    args=(self.spec, self.config, worker_id, str(self.events_path(worker_id))),
-                    name=worker_id,
-                    daemon=False,
-                )
-                process.start()
-                self._processes.append(process)
+            with self._spawn_lock:
+                for slot, worker_id in enumerate(self.worker_ids):
+                    worker = self._spawn(worker_id, slot, None)
+                    self._current.append(worker)
+                    self._processes.append(worker.process)
             self._wait_started(timeout)
         except BaseException:
             self.stop(grace_seconds=0.0)
             raise
+        if self.supervise:
+            self._supervisor = threading.Thread(target=self._supervise,
+                                                name="skiplock-supervisor", daemon=True)
+            self._supervisor.start()
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(0.05):
+            for slot, worker in enumerate(list(self._current)):
+                if worker.process.is_alive():
+                    continue
+                now = time.monotonic()
+                if worker.died_at is None:
+                    worker.died_at = now
+                if now - worker.died_at < self.restart_delay:
+                    continue
+                with self._spawn_lock:
+                    if self._stopping.is_set():
+                        return
+                    self._generation[slot] += 1
+                    new_id = f"{self.worker_ids[slot]}.{self._generation[slot]}"
+                    try:
+                        _check_log(self.events_path(new_id))
+                        replacement = self._spawn(new_id, slot, worker.worker_id)
+                    except Exception as exc:
+                        print(f"skiplock: cannot replace {worker.worker_id}: {exc}",
+                              file=sys.stderr, flush=True)
+                        worker.died_at = now  # try again after the delay
+                        continue
+                    self._current[slot] = replacement
+                    self._processes[slot] = replacement.process
+                    self.replacements += 1
 
     def _wait_started(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -175,11 +308,38 @@ class WorkerPool:
         return [int(p.pid) for p in self._processes]
 
     def alive(self) -> list[bool]:
+        """Per slot: whether its current process runs (a supervised pool counts a slot whose
+        replacement is due as alive: the drain need not give up on it)."""
+        if self.supervise and not self._stopping.is_set():
+            return [True for _ in self._current]
         return [bool(p.is_alive()) for p in self._processes]
 
     def exitcodes(self) -> list[int | None]:
         """Exit codes so far (None: still running; negative: killed by that signal)."""
         return [p.exitcode for p in self._processes]
+
+    def all_worker_ids(self) -> list[str]:
+        """Every worker process this pool has started, replacements included."""
+        with self._spawn_lock:
+            return [w.worker_id for w in self._workers]
+
+    def running(self) -> list[str]:
+        with self._spawn_lock:
+            return [w.worker_id for w in self._current if w.process.is_alive()]
+
+    def holding_leases(self) -> list[str]:
+        """Running workers that hold a lease now, by their event logs."""
+        running = self.running()
+        return self._leases.holding({w: self.events_path(w) for w in running})
+
+    def send_signal(self, worker_id: str, sig: int) -> None:
+        """Send `sig` to the process of `worker_id`, if it still runs."""
+        with self._spawn_lock:
+            found = [w.process for w in self._workers if w.worker_id == worker_id]
+        for process in found:
+            if process.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(process.pid), sig)
 
     def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to worker `index` (SIGKILL mid-lease, SIGSTOP / SIGCONT to pause)."""
@@ -193,11 +353,16 @@ class WorkerPool:
         for process in self._processes:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             process.join(left)
-        return not any(self.alive())
+        return not any(bool(p.is_alive()) for p in self._processes)
 
     def stop(self, grace_seconds: float | None = None) -> None:
         """SIGTERM every worker, wait up to `grace_seconds` for them to drain (default: the
-        HTTP timeout + write margin + poll interval + 5 s), then SIGKILL the rest."""
+        HTTP timeout + write margin + poll interval + 5 s), then SIGKILL the rest. No
+        replacement starts once this is called."""
+        with self._spawn_lock:
+            self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=10.0)
         if grace_seconds is None:
             grace_seconds = (
                 self.config.http_timeout_seconds
@@ -205,18 +370,19 @@ class WorkerPool:
                 + self.config.poll_seconds
                 + 5.0
             )
-        for process in self._processes:
+        processes = [w.process for w in self._workers]
+        for process in processes:
             if process.is_alive():
                 with contextlib.suppress(ProcessLookupError):
                     # A paused (SIGSTOPped) worker cannot drain until it is resumed.
                     os.kill(int(process.pid), signal.SIGCONT)
                     os.kill(int(process.pid), signal.SIGTERM)
         self.join(grace_seconds)
-        for process in self._processes:
+        for process in processes:
             if process.is_alive():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(process.pid), signal.SIGKILL)
-        for process in self._processes:
+        for process in processes:
             process.join(5.0)
 
     def __enter__(self) -> WorkerPool:
@@ -225,3 +391,13 @@ class WorkerPool:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _check_log(path: Path) -> None:
+    """Open (and so create) a worker's event log, refusing one that cannot be appended to."""
+    try:
+        LogWriter(path, WORKER_LOG).close()
+    except HistoryError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"cannot write the event log {path}: {exc.strerror or exc}") from None
