@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import random
@@ -105,6 +106,9 @@ class DispatcherConfig:
     # Skip the lease/timeout rule, for experiments that want to show what breaking it does.
     unsafe_timing: bool = False
     failpoints: tuple[tuple[str, float], ...] = ()  # (name, probability per job)
+    # A JSON file {name: probability} that a fault schedule rewrites while the worker runs
+    # (a failpoint window); read again whenever it changes, and added to `failpoints`.
+    failpoint_file: str | None = None
     # Seeds failpoint decisions and retry jitter (with the worker id); None: unseeded.
     seed: int | None = None
 
@@ -221,6 +225,7 @@ class Dispatcher:
         self._stopping = asyncio.Event()
         self._stop_reason = "stopped"
         self._next_recovery = 0.0
+        self._failpoint_cache: tuple[object, dict[str, float]] = (None, {})
 
     # -- events ----------------------------------------------------------------------------
 
@@ -580,9 +585,32 @@ class Dispatcher:
                     )
             due = renewed_at + half
 
+    def _file_failpoints(self) -> dict[str, float]:
+        """The failpoint file's probabilities, re-read only when the file was replaced."""
+        path = self.config.failpoint_file
+        if path is None:
+            return {}
+        try:
+            stat = os.stat(path)
+        except OSError:
+            self._failpoint_cache = (None, {})
+            return {}
+        key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        if self._failpoint_cache[0] != key:
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    raw = json.load(fh)
+                loaded = {str(k): float(v) for k, v in raw.items() if k in FAILPOINT_NAMES}
+            except (OSError, ValueError, TypeError, AttributeError) as exc:
+                _log(f"{self.worker_id}: ignoring the failpoint file: {_one_line(exc)}")
+                loaded = {}
+            self._failpoint_cache = (key, loaded)
+        return self._failpoint_cache[1]
+
     def failpoint_fires(self, name: FailpointName) -> bool:
         """This worker's next decision for failpoint `name` (seeded: see the module doc)."""
-        probability = self.config.failpoint_probability(name)
+        probability = max(self.config.failpoint_probability(name),
+                          self._file_failpoints().get(name, 0.0))
         return probability > 0 and self._rng.random() < probability
 
     def _failpoint(self, name: FailpointName, lease: Lease) -> None:
