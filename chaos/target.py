@@ -6,6 +6,10 @@ It records every request it receives as one `reports.history.Delivery` line in
 dispatcher's timeout, never answer, or reset the connection. A payload without a script
 succeeds.
 
+A hang window (`POST /control/hang?seconds=S`, the `hang_target` fault) holds every delivery
+that arrives while it is open, unanswered, until it closes; each then goes on with its
+script. A stopping target gives held deliveries up as unanswered rather than wait.
+
 The target counts deliveries per job itself (`seen`) and picks the script step from that
 count, never from the attempt header, so a queue sending wrong attempt numbers cannot change
 what a job does. It counts deliveries in flight per account; a delivery stops counting when it
@@ -20,16 +24,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import json
+import math
 import os
 import re
 import signal
 import socket
 import struct
+import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, assert_never
 
@@ -56,6 +66,8 @@ DEFAULT_HANG_CAP_SECONDS = 600.0
 DEFAULT_GRACE_SECONDS = 5.0
 # How often held deliveries are checked for a client that has gone.
 _POLL_SECONDS = 0.05
+# How long a restarted target retries binding its old port while the kernel still holds it.
+RESTART_BIND_SECONDS = 5.0
 # Behaviour recorded for a request the target could not read (no job id, bad payload).
 BAD_REQUEST = "bad_request"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -236,6 +248,11 @@ class EchoTarget:
         self._bad_requests = 0
         self._held: set[_Held] = set()
         self._stopping = False
+        # The hang window: set when it closes; None while no window is open.
+        self._window: asyncio.Event | None = None
+        self._window_end = 0.0  # loop time
+        self._window_timer: asyncio.TimerHandle | None = None
+        self._window_held = 0
         self._resume()
 
     def _resume(self) -> None:
@@ -267,6 +284,7 @@ class EchoTarget:
         app.router.add_post("/deliver", self._deliver)
         app.router.add_post("/deliver/{tail:.*}", self._deliver)
         app.router.add_get("/stats", self._stats)
+        app.router.add_post("/control/hang", self._control_hang)
         app.cleanup_ctx.append(self._sweeper)
         return app
 
@@ -290,8 +308,54 @@ class EchoTarget:
         }
 
     def begin_stop(self) -> None:
-        """Stop holding deliveries that would never be answered anyway."""
+        """Stop holding deliveries that would never be answered anyway (those in a hang
+        window included: a stopping target does not wait the window out)."""
         self._stopping = True
+        self._close_window()
+
+    # -- the hang window -------------------------------------------------------------------
+
+    def hang(self, seconds: float) -> float | None:
+        """Hold every delivery that arrives in the next `seconds` until then. A window
+        already open is extended, never shortened; `seconds` 0 closes it at once (what is
+        held goes on with its script). Returns the window's end (epoch seconds), or None
+        when no window is open. Call on the target's event loop."""
+        if seconds <= 0:
+            self._close_window()
+            return None
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        if self._window is None:
+            self._window = asyncio.Event()
+        elif end <= self._window_end:
+            return time.time() + (self._window_end - loop.time())
+        if self._window_timer is not None:
+            self._window_timer.cancel()
+        self._window_end = end
+        self._window_timer = loop.call_at(end, self._close_window)
+        return time.time() + seconds
+
+    def _close_window(self) -> None:
+        if self._window_timer is not None:
+            self._window_timer.cancel()
+            self._window_timer = None
+        if self._window is not None:
+            self._window.set()
+            self._window = None
+
+    async def _wait_window(
+        self, request: web.Request, delivery: _Open, window: asyncio.Event
+    ) -> None:
+        """Hold a delivery that arrived in a hang window until the window closes. Its
+        client may give up meanwhile: it then stops counting as in flight (the sweeper)."""
+        held = _Held(request=request, delivery=delivery, until_gone=False)
+        self._held.add(held)
+        self._window_held += 1
+        try:
+            await window.wait()
+        finally:
+            self._window_held -= 1
+            self._held.discard(held)
 
     def give_up_all(self) -> None:
         """Record every delivery still open as unanswered and close the log."""
@@ -423,6 +487,9 @@ class EchoTarget:
 
     async def _deliver(self, request: web.Request) -> web.StreamResponse:
         received = time.time()
+        # Taken on arrival: a request that arrived in the window is held even if the window
+        # closes while its body is read.
+        window = self._window
         headers = request.headers
         job_id = headers.get(JOB_ID_HEADER, "")
         problem: str | None
@@ -442,6 +509,13 @@ class EchoTarget:
             script=parsed if isinstance(parsed, JobScript) else None,
         )
         try:
+            if window is not None:
+                await self._wait_window(request, delivery, window)
+                if self._stopping:
+                    # Stopped during the window: given up unanswered, as at the hang cap.
+                    self._record(delivery, None, None, time.time())
+                    _drop(request, reset=False)
+                    return web.Response(status=200)
             if step is None:
                 self._bad_requests += 1
                 now = time.time()
@@ -479,6 +553,23 @@ class EchoTarget:
     async def _stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.stats())
 
+    async def _control_hang(self, request: web.Request) -> web.Response:
+        """`POST /control/hang?seconds=S`: open (or extend) a hang window of S seconds; 0
+        closes it. S must be a number from 0 to the hang cap."""
+        raw = request.query.get("seconds")
+        try:
+            seconds = float(raw) if raw is not None else math.nan
+        except ValueError:
+            seconds = math.nan
+        if not math.isfinite(seconds) or not 0 <= seconds <= self.hang_cap_seconds:
+            return web.json_response(
+                {"error": f"seconds must be a number from 0 to the hang cap "
+                          f"{self.hang_cap_seconds:g} (got {raw!r})"},
+                status=400,
+            )
+        until = self.hang(seconds)
+        return web.json_response({"hang_until": until, "held": self._window_held})
+
 
 def _drop(request: web.Request, *, reset: bool) -> None:
     """Close the connection without an answer; with `reset`, as a TCP RST (SO_LINGER 0)."""
@@ -490,6 +581,20 @@ def _drop(request: web.Request, *, reset: bool) -> None:
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     transport.abort()
+
+
+async def _bind_retrying(host: str, port: int, retry_seconds: float) -> socket.socket:
+    """`_bind`, retried while the port is still in use for up to `retry_seconds` (a target
+    restarted on its port right after a kill)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + retry_seconds
+    while True:
+        try:
+            return _bind(host, port)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or loop.time() >= deadline:
+                raise
+        await asyncio.sleep(_POLL_SECONDS)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -515,9 +620,11 @@ async def serve(
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
     on_ready: Callable[[int], None] | None = None,
     stop: asyncio.Event | None = None,
+    bind_retry_seconds: float = 0.0,
 ) -> int:
     """Run a target until SIGINT / SIGTERM (or `stop` is set). Calls `on_ready(port)` once it
-    listens. Returns the signal number that stopped it (0 for `stop`).
+    listens. Returns the signal number that stopped it (0 for `stop`). A port still in use
+    is retried for `bind_retry_seconds`.
 
     Stopping: no new connections, up to `grace_seconds` for deliveries still being answered,
     then every delivery still open is recorded as unanswered."""
@@ -537,7 +644,7 @@ async def serve(
     )
     await runner.setup()
     try:
-        sock = _bind(bind_host, port)
+        sock = await _bind_retrying(bind_host, port, bind_retry_seconds)
         site = web.SockSite(runner, sock, backlog=1024)
         await site.start()
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -572,6 +679,7 @@ def _child_main(
     hang_cap_seconds: float,
     grace_seconds: float,
     parent_pid: int | None = None,
+    bind_retry_seconds: float = 0.0,
 ) -> None:
     die_with_parent(parent_pid)
     ready = False
@@ -591,6 +699,7 @@ def _child_main(
                 hang_cap_seconds=hang_cap_seconds,
                 grace_seconds=grace_seconds,
                 on_ready=on_ready,
+                bind_retry_seconds=bind_retry_seconds,
             )
         )
     except Exception as exc:
@@ -601,11 +710,32 @@ def _child_main(
         conn.close()
 
 
+# A child asks to be signalled when its parent dies (`die_with_parent`), and to Linux the
+# parent is the *thread* that started it: a target restarted from a short-lived thread (a
+# fault's heal) would be stopped as soon as that thread ended. So a start from any thread but
+# the main one runs on this one thread, which lives as long as the interpreter.
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def _on_long_lived_thread(start: Callable[[], None]) -> None:
+    global _spawner
+    if threading.current_thread() is threading.main_thread():
+        start()
+        return
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skiplock-spawner")
+    _spawner.submit(start).result()
+
+
 class TargetProcess:
     """An echo target in its own (spawned) process, for runs and tests.
 
     Started on entering the context (or by `start()`); port 0 lets the system pick a port,
-    which the child reports back. Leaving the context stops it and leaves no process."""
+    which the child reports back. Leaving the context stops it and leaves no process.
+    `kill()` and `restart()` crash it and bring it back on the same address; `hang()` opens
+    a hang window. These are what the target faults act on (`chaos.nemesis.TargetHandle`)."""
 
     def __init__(
         self,
@@ -656,6 +786,45 @@ class TargetProcess:
     def start(self) -> TargetProcess:
         if self._process is not None:
             return self
+        _on_long_lived_thread(lambda: self._spawn(self._requested_port, 0.0))
+        return self
+
+    def restart(self) -> None:
+        """Start the target again after `kill()` (or `stop()`), on the same host and port
+        (jobs carry its URL), resuming each job's script from its log. Retries the port
+        for a few seconds if the kernel still holds it. Does nothing while it runs."""
+        if self.alive():
+            return
+        if self._port is None:
+            raise RuntimeError("target never started; use start() first")
+        if self._process is not None:
+            self._process.join()
+            self._process = None
+        port = self._port
+        _on_long_lived_thread(lambda: self._spawn(port, RESTART_BIND_SECONDS))
+
+    def hang(self, seconds: float, timeout: float = 10.0) -> None:
+        """Open a hang window of `seconds` (0 closes it at once): every delivery arriving
+        while it is open is held unanswered until it closes (`POST /control/hang`).
+        Raises ValueError for seconds the target refuses (negative, not finite, past the
+        hang cap), OSError if the target cannot be reached."""
+        query = urllib.parse.urlencode({"seconds": repr(float(seconds))})
+        request = urllib.request.Request(
+            f"{self.url}/control/hang?{query}", data=b"", method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                response.read()
+        except urllib.error.HTTPError as exc:
+            with exc:
+                detail = exc.read().decode("utf-8", "replace")
+            if exc.code == 400:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    detail = str(json.loads(detail)["error"])
+                raise ValueError(f"target {self.name} refused the hang: {detail}") from None
+            raise
+
+    def _spawn(self, port: int, bind_retry_seconds: float) -> None:
         import multiprocess  # heavy import, only where a process is started
 
         ctx = multiprocess.get_context("spawn")
@@ -667,10 +836,11 @@ class TargetProcess:
                 str(self.out_dir),
                 self.name,
                 self.host,
-                self._requested_port,
+                port,
                 self.hang_cap_seconds,
                 self.grace_seconds,
                 os.getpid(),
+                bind_retry_seconds,
             ),
             name=f"skiplock-{self.name}",
             daemon=True,
@@ -686,7 +856,6 @@ class TargetProcess:
             self.kill()
             raise RuntimeError(f"target {self.name} did not start: {message[1]}")
         self._port = int(message[1])
-        return self
 
     def _wait_ready(self, conn: Any) -> tuple[str, Any]:
         deadline = time.monotonic() + self.start_timeout

@@ -111,9 +111,12 @@ _WORKER_FAULTS = frozenset({"kill_worker", "pause_worker", "crash_after_claim", 
 # Faults that hit the queue's database: any result write in their window may have been lost.
 _DATABASE_FAULTS = frozenset({"terminate_backends", "restart_postgres", "exhaust_pool"})
 # Faults that last until they are healed; the others are instants.
-_LASTING_FAULTS = frozenset({"pause_worker", "hang_target", "restart_postgres", "pin_xmin",
-                             "exhaust_pool"})
-_KNOWN_FAULTS = frozenset(_WORKER_FAULTS | _DATABASE_FAULTS | {"hang_target", "pin_xmin"})
+_LASTING_FAULTS = frozenset({"pause_worker", "hang_target", "kill_target", "restart_postgres",
+                             "pin_xmin", "exhaust_pool"})
+# Faults that hit one echo target: a delivery there in their window may have been recorded 2xx
+# while its answer never reached the worker (held past the timeout, or lost with the process).
+_TARGET_FAULTS = frozenset({"hang_target", "kill_target"})
+_KNOWN_FAULTS = frozenset(_WORKER_FAULTS | _DATABASE_FAULTS | _TARGET_FAULTS | {"pin_xmin"})
 
 Valid = bool | Literal["unknown"]
 
@@ -1208,7 +1211,7 @@ class _Explainer:
                 )
             elif kind in _DATABASE_FAULTS:
                 hits = True
-            elif kind == "hang_target":
+            elif kind in _TARGET_FAULTS:
                 hits = fault["target"] in (None, d["target"])
             if hits:
                 target = fault["target"] or "the run"
