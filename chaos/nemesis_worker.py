@@ -12,7 +12,6 @@ import time
 
 from chaos.nemesis import Fault, FaultSkipped, register
 
-
 # How long a firing waits for some worker to hold a lease (under light load a worker holds
 # its leases for milliseconds at a time), and how often it looks.
 HOLDER_WAIT_SECONDS = 2.0

@@ -1281,6 +1281,19 @@ class _Explainer:
                     kind in _DATABASE_FAULTS)
                 if hits and fault["start"] <= hi and _fault_end(fault) >= lo:
                     return f"{kind} at {_fault_span(fault)} overlaps attempt {attempt}"
+            # A call that timed out or could not connect while the target was hung or down:
+            # the fault, not the queue, used up this attempt (the target may not have
+            # recorded it at all). The call lies between the claim (`lo`) and its end.
+            for rec in events:
+                if rec["kind"] != "http" or rec["result"] not in ("timeout", "connection_error"):
+                    continue
+                for fault in self.faults:
+                    if (fault["fault"] in _TARGET_FAULTS
+                            and fault["start"] <= float(rec["end"]) + self.tol
+                            and _fault_end(fault) >= lo):
+                        return (f"{fault['fault']} on {fault['target'] or 'the target'} at "
+                                f"{_fault_span(fault)} overlaps the failed call of attempt "
+                                f"{attempt}")
         for fault in self.faults:
             if fault["job_id"] == job_id:
                 return f"{fault['fault']} hit attempt {fault['attempt']}"

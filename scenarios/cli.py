@@ -24,6 +24,7 @@ from scenarios.errors import HarnessError, UsageError
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("scenarios.cmd_demo", "short friendly end-to-end run on embedded servers"),
     "run": ("scenarios.cmd_run", "run one scenario and judge it"),
+    "gate": ("scenarios.cmd_gate", "CI correctness gate: chaos scenarios over seeds, JUnit XML"),
     "check": ("reports.cmd_check", "judge one or more run directories from their history"),
     "worker": ("scenarios.cmd_worker", "start dispatcher worker processes against a DSN"),
     "target": ("chaos.cmd_target", "run the duplicate-detecting echo target"),

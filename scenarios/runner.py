@@ -69,6 +69,12 @@ class RunOptions:
     schema: str | None = None
     keep_schema: bool = False
     worker_grace_seconds: float = 10.0
+    # A server provisioned by the caller and shared by several runs (the gate); the run
+    # neither starts nor stops it. None: provision one for this run (dsn, Docker, embedded).
+    server: PgServer | None = None
+    # Workers' stderr (reconnects, failed claims under faults) to RUN_DIR/logs/ instead of
+    # the terminal.
+    worker_logs_to_files: bool = False
 
 
 @dataclass(kw_only=True)
@@ -487,7 +493,8 @@ def run_scenario(
     if nemesis is None and spec.nemesis:
         # Refused before anything starts: a fault that needs a server the harness owns,
         # against a DSN it was given.
-        external = bool(options.dsn or os.environ.get(DSN_ENV))
+        external = (not options.server.owned if options.server is not None
+                    else bool(options.dsn or os.environ.get(DSN_ENV)))
         try:
             check_schedule(spec.nemesis, load_seconds=spec.duration,
                            server_owned=not external)
@@ -569,7 +576,8 @@ def run_scenario(
     try:
         with contextlib.ExitStack() as stack:
             phase("setup")
-            server = stack.enter_context(postgres(options.dsn, durable=True))
+            server = (options.server if options.server is not None
+                      else stack.enter_context(postgres(options.dsn, durable=True)))
             server_up = server
             say(f"PostgreSQL: {server.kind} {server.display}")
             backend_spec = BackendSpec(name=options.backend, dsn=server.dsn, schema=schema,
@@ -625,7 +633,9 @@ def run_scenario(
             pool = stack.enter_context(
                 WorkerPool(backend_spec, config, spec.workers, run_dir / WORKERS_DIR,
                            supervise=spec.supervise, restart_delay=spec.restart_delay,
-                           app_prefix=app_prefix(schema))
+                           app_prefix=app_prefix(schema),
+                           stderr_dir=(run_dir / "logs") if options.worker_logs_to_files
+                           else None)
             )
             pool.start()
             say(f"{spec.workers} workers, target {target.url}")

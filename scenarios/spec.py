@@ -36,6 +36,7 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "succeed",
     "fail_then_succeed",
     "always_400",
+    "always_fail",
     "slow",
     "hang_then_late",
     "hang_forever",
@@ -230,6 +231,10 @@ class ScenarioSpec:
             ),
             "always_400": JobScript(
                 name="always_400", first=Step(behaviour=Behaviour.STATUS, status=400)
+            ),
+            "always_fail": JobScript(
+                name="always_fail",
+                first=Step(behaviour=Behaviour.STATUS, status=self.fail_status),
             ),
             "slow": JobScript(
                 name="slow", first=Step(behaviour=Behaviour.SLOW, seconds=self.slow_seconds)

@@ -76,9 +76,16 @@ def _worker_main(
     events_path: str,
     app_prefix: str | None = None,
     replaces: str | None = None,
+    stderr_path: str | None = None,
 ) -> None:
     """Entry point of one worker process."""
     die_with_parent()
+    if stderr_path is not None:
+        # The worker's own complaints (a claim that failed under a fault, a reconnect) go to
+        # a file of the run, not into the caller's terminal between its result lines.
+        fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
     if app_prefix is not None:
         # Every session this worker opens carries its name, so a fault can cut exactly the
         # system under test's connections (PGAPPNAME for plug-ins that use libpq's default).
@@ -189,6 +196,7 @@ class WorkerPool:
         supervise: bool = False,
         restart_delay: float = 0.5,
         app_prefix: str | None = None,
+        stderr_dir: Path | None = None,
     ) -> None:
         validate_worker_count(count)
         config.validate()
@@ -199,6 +207,7 @@ class WorkerPool:
         self.supervise = supervise
         self.restart_delay = restart_delay
         self.app_prefix = app_prefix
+        self.stderr_dir = stderr_dir
         self._context = multiprocess.get_context("spawn")
         self._processes: list[Any] = []
         self._log_offsets: list[int] = []
@@ -207,6 +216,7 @@ class WorkerPool:
         self._current: list[_Worker] = []
         self._generation = [0] * count
         self._stopping = threading.Event()
+        self._done = threading.Event()
         self._spawn_lock = threading.Lock()
         self._supervisor: threading.Thread | None = None
         self._leases = _LeaseTracker()
@@ -219,7 +229,8 @@ class WorkerPool:
         process = self._context.Process(
             target=_worker_main,
             args=(self.spec, self.config, worker_id, str(self.events_path(worker_id)),
-                  self.app_prefix, replaces),
+                  self.app_prefix, replaces,
+                  None if self.stderr_dir is None else str(self.stderr_dir / f"{worker_id}.log")),
             name=worker_id,
             daemon=False,
         )
@@ -234,6 +245,8 @@ class WorkerPool:
         if self._processes:
             return
         self.events_dir.mkdir(parents=True, exist_ok=True)
+        if self.stderr_dir is not None:
+            self.stderr_dir.mkdir(parents=True, exist_ok=True)
         # Each log is opened here first: a log that cannot be appended to is refused before
         # any process starts (existing logs are checked before new ones are created, so a
         # refusal leaves nothing behind), and a reused log's earlier `start` events are
@@ -258,7 +271,12 @@ class WorkerPool:
             self._supervisor.start()
 
     def _supervise(self) -> None:
-        while not self._stopping.wait(0.05):
+        # This thread is the parent of every replacement, and a worker dies with the thread
+        # that started it (die_with_parent), so it lives until the pool has stopped them all
+        # (`_done`), not merely until replacing stops (`_stopping`).
+        while not self._done.wait(0.05):
+            if self._stopping.is_set():
+                continue
             for slot, worker in enumerate(list(self._current)):
                 if worker.process.is_alive():
                     continue
@@ -361,8 +379,6 @@ class WorkerPool:
         replacement starts once this is called."""
         with self._spawn_lock:
             self._stopping.set()
-        if self._supervisor is not None:
-            self._supervisor.join(timeout=10.0)
         if grace_seconds is None:
             grace_seconds = (
                 self.config.http_timeout_seconds
@@ -384,6 +400,9 @@ class WorkerPool:
                     os.kill(int(process.pid), signal.SIGKILL)
         for process in processes:
             process.join(5.0)
+        self._done.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=10.0)
 
     def __enter__(self) -> WorkerPool:
         self.start()

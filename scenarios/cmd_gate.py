@@ -1,0 +1,91 @@
+"""`skiplock gate`: the CI correctness gate (see scenarios/gate.py for what it runs).
+
+Exit codes: 0 every run valid, 1 a guarantee violated in some run, 3 only unknowns, 2 bad
+input, 4 harness failure. One line per scenario x seed, then a summary; `OUT/junit.xml` and
+`OUT/summary.json` are written even when the gate is interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+from rich.console import Console
+
+from scenarios.errors import UsageError
+from scenarios.gate import DEFAULT_OUT, SUITE, line, resolve_scenarios, run_gate
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="pg",
+                        help="system under test: pg (default), pg-naive, pg-for-update,"
+                        " pg-long-tx, or package.module:factory")
+    parser.add_argument("--sql", dest="sql_path", default=None,
+                        help="a .sql file whose named blocks replace the reference queue's")
+    parser.add_argument("--dsn", default=None,
+                        help="PostgreSQL to use (default: SKIPLOCK_PG_DSN, Docker, embedded);"
+                        " faults that restart the server are skipped on an external one")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="first seed (default: random, printed so the gate replays)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="how many seeds each scenario runs with (default 1: about"
+                        " three minutes on two cores)")
+    parser.add_argument("--only", action="append", default=[], metavar="SCENARIO[,...]",
+                        help=f"run only these scenarios (the suite: {', '.join(SUITE)})")
+    parser.add_argument("--no-recovery", action="store_true",
+                        help="switch the workers' lease recovery off (a gate must then fail)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a key in every scenario")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="where junit.xml, summary.json and runs/ go (default: ./gate)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from queue_impl.plugins import validate_backend_name
+    from queue_impl.sqlfile import SqlFileError, statements_with_overrides
+
+    try:
+        validate_backend_name(args.backend)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.sql_path is not None:
+        try:
+            statements_with_overrides(args.sql_path)
+        except SqlFileError as exc:
+            raise UsageError(str(exc)) from None
+    if args.seeds < 1:
+        raise UsageError(f"--seeds must be at least 1 (got {args.seeds})")
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out} is a file: give a directory")
+    scenarios = resolve_scenarios(args.only)
+    overrides = list(args.overrides) + (["recovery=false"] if args.no_recovery else [])
+    # Every scenario must load with the overrides before anything runs.
+    from scenarios.spec import SpecError, load
+
+    for scenario in scenarios:
+        try:
+            load(scenario, overrides)
+        except SpecError as exc:
+            raise UsageError(f"{scenario}: {exc}") from None
+    base = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    seeds = [base + i for i in range(args.seeds)]
+    console = Console(stderr=True, highlight=False)
+    console.print(f"skiplock gate: backend {args.backend}"
+                  + (f", sql {args.sql_path}" if args.sql_path else "")
+                  + f", {len(scenarios)} scenario(s) x {len(seeds)} seed(s), first seed"
+                  f" {base} (replay: --seed {base})")
+    out = Console(highlight=False)
+
+    summary = run_gate(backend=args.backend, sql_path=args.sql_path, dsn=args.dsn,
+                       out=args.out, seeds=seeds, scenarios=scenarios, overrides=overrides,
+                       report=lambda result: out.print(line(result), soft_wrap=True))
+    counts = summary.to_json()["counts"]
+    verdict = {0: "[green]PASSED[/]", 1: "[bold red]FAILED: a guarantee was violated[/]",
+               3: "[yellow]UNDECIDED: some runs could not be judged[/]"}.get(
+        summary.exit_code, "[bold red]HARNESS FAILURE[/]")
+    out.print(f"gate {verdict}: {counts['pass']} passed, {counts['fail']} failed,"
+              f" {counts['unknown']} unknown, {counts['error']} errors in"
+              f" {summary.seconds:.0f} s; {args.out / 'junit.xml'},"
+              f" {args.out / 'summary.json'}")
+    return summary.exit_code

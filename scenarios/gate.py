@@ -1,0 +1,290 @@
+"""The CI correctness gate: a fixed suite of chaos scenarios over several seeds, one server.
+
+Each scenario in `SUITE` puts pressure where one class of queue bug lives (its spec file
+says which anomalies it can reveal); together they are sized to finish in about three
+minutes on a two-core machine. Every scenario x seed is one full run, judged by the checker
+from its history; the gate's answer is the worst of them:
+
+    1  any run violated a guarantee (a complete history, and an anomaly in it)
+    4  the harness itself failed on some run (and none violated)
+    3  some run could not be decided (unknown), and none violated or failed
+    0  every run valid
+
+Results land in `OUT/junit.xml` (one testcase per scenario x seed, the failure message
+naming the anomalies and their first examples), `OUT/summary.json`, and the run
+directories under `OUT/runs/`, each re-judgeable with `skiplock check`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scenarios.errors import HarnessError, UsageError
+
+# The suite, in the order it runs. Each entry is a scenario of scenarios/specs/.
+SUITE: tuple[str, ...] = (
+    "noisy-neighbour",
+    "exhaust-attempts",
+    "kill-workers",
+    "pause-workers",
+    "crash-points",
+    "long-calls",
+    "target-hangs",
+    "db-faults",
+    "mixed",
+)
+DEFAULT_OUT = Path("gate")
+# Anomalies a failure message names, with up to this many examples each.
+EXAMPLES_IN_MESSAGE = 2
+
+
+@dataclass(kw_only=True)
+class CaseResult:
+    """One scenario x seed."""
+
+    scenario: str
+    seed: int
+    exit_code: int
+    valid: Any  # True, False, "unknown"; None when the run did not finish
+    seconds: float
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    unknown_reasons: list[str] = field(default_factory=list)
+    run_dir: str | None = None
+    error: str | None = None
+
+    @property
+    def outcome(self) -> str:
+        return {0: "pass", 1: "FAIL", 3: "unknown"}.get(self.exit_code, "ERROR")
+
+    def violations(self) -> dict[str, int]:
+        from reports.checker import VIOLATION_KEYS
+
+        return {k: v for k, v in self.counts.items() if k in VIOLATION_KEYS and v}
+
+    def message(self) -> str:
+        """One line: what broke, with the first examples."""
+        if self.error:
+            return self.error
+        if self.exit_code == 3:
+            return "unknown: " + "; ".join(self.unknown_reasons[:3])
+        parts = []
+        for kind, count in self.violations().items():
+            shown = "; ".join(
+                f"{e.get('job_id')}: {e.get('why')}"
+                for e in self.examples.get(kind, [])[:EXAMPLES_IN_MESSAGE]
+            )
+            parts.append(f"{kind}={count}" + (f" ({shown})" if shown else ""))
+        return "; ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario,
+            "seed": self.seed,
+            "outcome": self.outcome,
+            "exit_code": self.exit_code,
+            "valid": self.valid,
+            "seconds": round(self.seconds, 2),
+            "counts": self.counts,
+            "violations": self.violations(),
+            "unknown_reasons": self.unknown_reasons,
+            "run_dir": self.run_dir,
+            "error": self.error,
+        }
+
+
+@dataclass(kw_only=True)
+class GateSummary:
+    backend: str
+    sql_path: str | None
+    seeds: list[int]
+    scenarios: list[str]
+    results: list[CaseResult] = field(default_factory=list)
+    seconds: float = 0.0
+    interrupted: bool = False
+
+    @property
+    def exit_code(self) -> int:
+        codes = {r.exit_code for r in self.results}
+        if 1 in codes:
+            return 1
+        if codes - {0, 1, 3}:
+            return 4
+        if 3 in codes:
+            return 3
+        return 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "exit_code": self.exit_code,
+            "backend": self.backend,
+            "sql_path": self.sql_path,
+            "seeds": self.seeds,
+            "scenarios": self.scenarios,
+            "seconds": round(self.seconds, 1),
+            "interrupted": self.interrupted,
+            "counts": {
+                "runs": len(self.results),
+                "pass": sum(r.exit_code == 0 for r in self.results),
+                "fail": sum(r.exit_code == 1 for r in self.results),
+                "unknown": sum(r.exit_code == 3 for r in self.results),
+                "error": sum(r.exit_code not in (0, 1, 3) for r in self.results),
+            },
+            "results": [r.to_json() for r in self.results],
+        }
+
+
+def resolve_scenarios(only: Sequence[str] | None) -> list[str]:
+    """The suite, or the named part of it; any scenario name or .toml path is accepted."""
+    from scenarios.spec import SpecError, resolve_path
+
+    if not only:
+        return list(SUITE)
+    names = [name.strip() for item in only for name in item.split(",") if name.strip()]
+    for name in names:
+        try:
+            resolve_path(name)
+        except SpecError as exc:
+            raise UsageError(str(exc)) from None
+    return names
+
+
+def cases(scenarios: Sequence[str], seeds: Sequence[int]) -> list[tuple[str, int]]:
+    """Every scenario x seed, seed by seed: a gate cut short has tried every scenario."""
+    return [(scenario, seed) for seed in seeds for scenario in scenarios]
+
+
+@contextlib.contextmanager
+def gate_server(dsn: str | None) -> Iterator[Any]:
+    """One durable server for the whole gate (each run still gets its own schema)."""
+    from scenarios.provision import postgres
+
+    with postgres(dsn, durable=True) as server:
+        yield server
+
+
+def run_case(scenario: str, seed: int, *, server: Any, backend: str, sql_path: str | None,
+             out: Path, overrides: Sequence[str] = ()) -> CaseResult:
+    """One scenario x seed, judged. Bad input raises UsageError (it would fail every case
+    alike); a harness failure is this case's result (exit 4)."""
+    from scenarios.runner import RunOptions, run_scenario
+    from scenarios.spec import SpecError, load
+
+    try:
+        spec = load(scenario, list(overrides))
+    except SpecError as exc:
+        raise UsageError(str(exc)) from None
+    options = RunOptions(backend=backend, seed=seed, out=out, sql_path=sql_path,
+                         server=server, worker_logs_to_files=True)
+    started = time.monotonic()
+    try:
+        result = run_scenario(spec, options)
+    except HarnessError as exc:
+        return CaseResult(scenario=spec.name, seed=seed, exit_code=exc.exit_code, valid=None,
+                          seconds=time.monotonic() - started,
+                          error=f"harness failure: {exc}")
+    verdict = result.verdict
+    return CaseResult(
+        scenario=spec.name,
+        seed=seed,
+        exit_code=result.exit_code,
+        valid=verdict.valid,
+        seconds=time.monotonic() - started,
+        counts=dict(verdict.counts),
+        examples={k: list(v) for k, v in verdict.examples.items()},
+        unknown_reasons=list(getattr(verdict, "unknown_reasons", []) or []),
+        run_dir=str(result.run_dir),
+    )
+
+
+def run_gate(*, backend: str = "pg", sql_path: str | None = None, dsn: str | None = None,
+             out: Path = DEFAULT_OUT, seeds: Sequence[int], scenarios: Sequence[str],
+             overrides: Sequence[str] = (),
+             report: Callable[[CaseResult], None] | None = None) -> GateSummary:
+    """Run every case and write junit.xml and summary.json, also when interrupted."""
+    summary = GateSummary(backend=backend, sql_path=sql_path, seeds=list(seeds),
+                          scenarios=list(scenarios))
+    started = time.monotonic()
+    runs = out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    try:
+        with gate_server(dsn) as server:
+            for scenario, seed in cases(scenarios, seeds):
+                result = run_case(scenario, seed, server=server, backend=backend,
+                                  sql_path=sql_path, out=runs, overrides=overrides)
+                summary.results.append(result)
+                if report is not None:
+                    report(result)
+    except KeyboardInterrupt:
+        summary.interrupted = True
+        raise
+    finally:
+        summary.seconds = time.monotonic() - started
+        write_results(out, summary)
+    return summary
+
+
+def write_results(out: Path, summary: GateSummary) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "summary.json.partial"
+    tmp.write_text(json.dumps(summary.to_json(), indent=2, default=str) + "\n")
+    os.replace(tmp, out / "summary.json")
+    tree = junit(summary)
+    ET.indent(tree)
+    tmp = out / "junit.xml.partial"
+    tree.write(tmp, encoding="utf-8", xml_declaration=True)
+    os.replace(tmp, out / "junit.xml")
+
+
+def junit(summary: GateSummary) -> ET.ElementTree:
+    """JUnit XML as GitLab, GitHub and Jenkins read it: a violation is a <failure>, an
+    unknown or a harness failure an <error>."""
+    results = summary.results
+    suite = ET.Element("testsuite", {
+        "name": "skiplock gate",
+        "tests": str(len(results)),
+        "failures": str(sum(r.exit_code == 1 for r in results)),
+        "errors": str(sum(r.exit_code not in (0, 1) for r in results)),
+        "time": f"{summary.seconds:.1f}",
+    })
+    props = ET.SubElement(suite, "properties")
+    for name, value in (("backend", summary.backend), ("sql", summary.sql_path or ""),
+                        ("seeds", ",".join(map(str, summary.seeds)))):
+        ET.SubElement(props, "property", {"name": name, "value": value})
+    for r in results:
+        case = ET.SubElement(suite, "testcase", {
+            "classname": f"skiplock.gate.{r.scenario}",
+            "name": f"{r.scenario}[seed={r.seed}]",
+            "time": f"{r.seconds:.1f}",
+        })
+        body = json.dumps({"counts": r.counts, "examples": r.examples,
+                           "run_dir": r.run_dir}, indent=1, default=str)
+        if r.exit_code == 1:
+            ET.SubElement(case, "failure", {"message": r.message(),
+                                            "type": "guarantee violated"}).text = body
+        elif r.exit_code != 0:
+            kind = "unknown" if r.exit_code == 3 else "harness failure"
+            ET.SubElement(case, "error", {"message": r.message(), "type": kind}).text = body
+        if r.run_dir:
+            ET.SubElement(case, "system-out").text = f"run directory: {r.run_dir}"
+    return ET.ElementTree(suite)
+
+
+def line(result: CaseResult) -> str:
+    """The gate's one line for a case."""
+    head = f"{result.outcome:<7} {result.scenario:<17} seed={result.seed:<11} " \
+           f"{result.seconds:5.1f}s"
+    if result.exit_code == 0:
+        c = result.counts
+        return (f"{head}  enqueued={c.get('enqueued', 0)} "
+                f"duplicates explained={c.get('duplicate_explained', 0)} "
+                f"dead letters={c.get('failed', 0)}")
+    return f"{head}  {result.message()}"
