@@ -32,6 +32,13 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def gate(session: nox.Session) -> None:
+    """The CI correctness gate on the reference queue (pass e.g. `-- --sql my.sql`)."""
+    session.install("-e", ".")
+    session.run("skiplock", "gate", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check over the tree; ruff format over the files listed in FORMATTED."""
     session.install("ruff>=0.6")

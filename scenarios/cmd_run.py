@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 from pathlib import Path
 
 from rich.console import Console
 
-from chaos.nemesis import NemesisError, shortcut
+from chaos.nemesis import NemesisError, check_schedule, shortcut
 from scenarios.errors import UsageError
+from scenarios.provision import DSN_ENV
 from scenarios.spec import ScenarioSpec, SpecError, available, load
 
 
@@ -95,6 +97,13 @@ def resolve(args: argparse.Namespace, scenario: str) -> tuple[ScenarioSpec, int]
     except (SpecError, NemesisError) as exc:
         raise UsageError(str(exc)) from None
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    # A fault that needs a server the harness starts, against a DSN it was given: refused
+    # before anything is announced or started.
+    external = bool(args.dsn or os.environ.get(DSN_ENV))
+    try:
+        check_schedule(spec.nemesis, load_seconds=spec.duration, server_owned=not external)
+    except NemesisError as exc:
+        raise UsageError(str(exc)) from None
     return spec, seed
 
 

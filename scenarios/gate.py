@@ -122,6 +122,10 @@ class GateSummary:
             return 3
         return 0
 
+    def report(self) -> str:
+        """Every case's line: what a failed assertion shows."""
+        return "\n".join(line(r) for r in self.results)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "exit_code": self.exit_code,

@@ -1,0 +1,117 @@
+"""`skiplock gate` and its pytest plugin as a user runs them, and the fault schedule's
+bad-input answers (exit 2, one line, nothing started)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def skiplock(*args: str | Path, cwd: Path = REPO,
+             timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "scenarios.cli", *map(str, args)],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False,
+    )
+
+
+def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_an_unknown_nemesis_kind_is_refused(tmp_path: Path) -> None:
+    line = one_line_error(skiplock("run", "steady", "--nemesis", "kill_wroker",
+                                   "--out", tmp_path))
+    assert "unknown nemesis kind 'kill_wroker'" in line
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_fault_after_the_load_ends_is_refused(tmp_path: Path) -> None:
+    line = one_line_error(skiplock("run", "kill-workers", "--duration", "1",
+                                   "--out", tmp_path))
+    assert "starts at 1 s but the load phase lasts 1 s" in line
+
+
+def test_a_restart_needs_a_server_the_harness_owns(tmp_path: Path) -> None:
+    spec = tmp_path / "restart.toml"
+    spec.write_text('duration = 3\n[[nemesis]]\nkind = "restart_postgres"\nat = 1\n')
+    line = one_line_error(skiplock("run", spec, "--dsn", "postgresql://u@127.0.0.1:1/db",
+                                   "--out", tmp_path / "runs"))
+    assert "needs a PostgreSQL the harness starts" in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_nemesis_entries_are_checked_like_every_key(tmp_path: Path) -> None:
+    spec = tmp_path / "bad.toml"
+    spec.write_text('[[nemesis]]\nkind = "kill_worker"\nat = 1\ncount = 0\n')
+    assert "count must be a positive whole number" in one_line_error(
+        skiplock("run", spec, "--out", tmp_path))
+    spec.write_text('[[nemesis]]\nkind = "kill_worker"\nwhen = 1\n')
+    assert "unknown key 'when' in nemesis[0]" in one_line_error(
+        skiplock("run", spec, "--out", tmp_path))
+
+
+def test_gate_bad_input(tmp_path: Path) -> None:
+    assert "unknown scenario 'nope'" in one_line_error(
+        skiplock("gate", "--only", "nope", "--out", tmp_path))
+    assert "--seeds must be at least 1" in one_line_error(
+        skiplock("gate", "--seeds", "0", "--out", tmp_path))
+    (tmp_path / "file").write_text("")
+    assert "is a file" in one_line_error(skiplock("gate", "--out", tmp_path / "file"))
+
+
+@pytest.mark.chaos
+def test_gate_fails_the_naive_queue_with_junit_naming_the_anomaly(tmp_path: Path) -> None:
+    out = tmp_path / "gate"
+    done = skiplock("gate", "--backend", "pg-naive", "--only", "noisy-neighbour",
+                    "--seed", "1", "--out", out)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "FAIL" in done.stdout and "noisy-neighbour" in done.stdout
+    [case] = ET.parse(out / "junit.xml").getroot().iter("testcase")
+    assert case.get("name") == "noisy-neighbour[seed=1]"
+    failure = case.find("failure")
+    assert failure is not None
+    # Two workers take the same job; accounts go over their limits.
+    message = failure.get("message") or ""
+    assert "duplicate_unexplained=" in message or "concurrent_delivery=" in message
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["exit_code"] == 1
+    assert summary["counts"] == {"runs": 1, "pass": 0, "fail": 1, "unknown": 0, "error": 0}
+    run_dir = Path(summary["results"][0]["run_dir"])
+    # The run directory stands on its own: the same verdict from `skiplock check`.
+    assert skiplock("check", run_dir).returncode == 1
+
+
+@pytest.mark.chaos
+def test_the_pytest_plugin_gates_a_queue_inside_a_test_suite(tmp_path: Path) -> None:
+    (tmp_path / "test_queue.py").write_text(textwrap.dedent("""
+        def test_reference_keeps_its_promises(skiplock_gate):
+            summary = skiplock_gate(only=["noisy-neighbour"], seed=3)
+            assert summary.exit_code == 0, summary.report()
+    """))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
+         str(tmp_path), "--skiplock-backend", "pg-naive", "--skiplock-only",
+         "noisy-neighbour", "--skiplock-seed", "1", "--skiplock-out", str(tmp_path / "g")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False, env=env,
+    )
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "1 failed, 1 passed" in done.stdout
+    assert "FAILED ::skiplock-gate[noisy-neighbour-seed1]" in done.stdout
+    assert "re-check: skiplock check" in done.stdout
