@@ -1,0 +1,78 @@
+"""Scheduled faults in real runs: real signals on real worker processes, a supervised pool
+that replaces the dead, and the checker's account of every duplicate they cause."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from reports.history import NEMESIS_FILE, WORKERS_DIR, read_jsonl
+from scenarios import spec as spec_mod
+from scenarios.runner import RunOptions, RunResult, run_scenario
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(150)]
+
+
+def run(pg_dsn: str, tmp_path: Path, scenario: str, overrides: list[str],
+        seed: int = 1) -> RunResult:
+    spec = spec_mod.load(scenario, overrides)
+    options = RunOptions(seed=seed, out=tmp_path, dsn=pg_dsn, worker_logs_to_files=True)
+    return run_scenario(spec, options)
+
+
+def worker_events(run_dir: Path) -> list[dict[str, str]]:
+    rows: list[dict[str, str]] = []
+    for path in sorted((run_dir / WORKERS_DIR).glob("*.csv")):
+        with path.open(newline="") as fh:
+            rows += list(csv.DictReader(fh))
+    return rows
+
+
+def test_a_five_percent_crash_rate_drains_because_dead_workers_are_replaced(
+        pg_dsn: str, tmp_path: Path) -> None:
+    result = run(pg_dsn, tmp_path, "steady",
+                 ["duration=4", "warmup=0.5", "rate=60", "lease=3", "http_timeout=1",
+                  "write_margin=1", "failpoints.crash_after_claim=0.05"])
+    assert result.info.drained, result.info.exit_reason
+    assert result.verdict.valid is True, result.verdict.examples
+    events = worker_events(result.run_dir)
+    crashes = [e for e in events if e["kind"] == "failpoint"]
+    replacements = [e for e in events if e["kind"] == "start" and e["replaces"]]
+    assert crashes, "no failpoint fired: the test exercised nothing"
+    # Every crash but possibly the last few (after the drain began) was replaced.
+    assert len(replacements) >= len(crashes) - 3 > 0
+    # Each replacement names a worker that crashed, and has an id of its own.
+    crashed = {e["worker"] for e in crashes}
+    assert {e["replaces"] for e in replacements} <= crashed
+    assert not {e["worker"] for e in replacements} & crashed - {e["worker"] for e in crashes}
+
+
+def test_kill_workers_is_valid_with_every_duplicate_explained_by_its_kill(
+        pg_dsn: str, tmp_path: Path) -> None:
+    result = run(pg_dsn, tmp_path, "kill-workers", ["duration=5"], seed=11)
+    verdict = result.verdict
+    assert verdict.valid is True, verdict.examples
+    kills = [f for f in read_jsonl(result.run_dir / NEMESIS_FILE)
+             if f["fault"] == "kill_worker" and not f["skipped"]]
+    assert kills, "no worker was killed"
+    # Each kill hit a worker that held a lease (its log has a claim with no write after).
+    assert all(str(f["target"]).startswith("worker-") for f in kills)
+    assert verdict.counts["duplicate_unexplained"] == 0
+    for example in verdict.examples.get("duplicate_explained", []):
+        assert "kill_worker" in example["why"] or "timeout" in example["why"], example
+
+
+def test_pause_workers_fences_the_late_writes_and_has_no_stale_write(
+        pg_dsn: str, tmp_path: Path) -> None:
+    result = run(pg_dsn, tmp_path, "pause-workers", ["duration=5"], seed=5)
+    verdict = result.verdict
+    assert verdict.valid is True, verdict.examples
+    assert verdict.counts["stale_write"] == 0
+    fenced = [e for e in worker_events(result.run_dir)
+              if e["kind"] == "write" and e["result"] == "fenced"]
+    assert fenced, "the paused workers' late writes were not fenced"
+    spec_json = json.loads((result.run_dir / "spec.json").read_text())
+    assert [p["kind"] for p in spec_json["nemesis_schedule"]] == ["pause_worker"] * 2
