@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "queue": ("scenarios.bench_queue", "queue-only throughput against the raw-SQL ceiling"),
     "checker": ("reports.bench_checker", "seconds to check a synthetic history"),
     "target": ("chaos.bench_target", "the echo target's capacity on its own"),
+    "recovery": ("scenarios.bench_recovery", "time back to the pre-fault rate after each fault"),
 }
 
 
