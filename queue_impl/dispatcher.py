@@ -8,6 +8,13 @@ while this one is still running it (`validate`). With renewal on, every lease of
 extended until its result is written, so a slow call does not cost its finished batch-mates
 their leases while they wait for the shared write.
 
+The lease's clock starts at the claim's UPDATE, not at its COMMIT, so a commit that stalls (a
+stalled synchronous standby, a backend frozen in the transaction) can hand the worker leases
+that have already run out and been recovered by another worker. Before its calls, the
+dispatcher therefore bounds the lease left from below with its own monotonic clock
+(`lease_left`; the lease was granted no earlier than the claim was sent), and gives the batch
+back unsent when the HTTP timeout and the write margin no longer fit (unless `unsafe_timing`).
+
 A job is never allowed to take its batch down: whatever goes wrong while vetting or calling
 one target (a host name the IDNA codec rejects, a header HTTP cannot carry, a bug) becomes
 that job's permanent outcome, and its batch-mates are written as usual.
@@ -74,6 +81,9 @@ FAILPOINT_NAMES: tuple[FailpointName, ...] = ("crash_after_claim", "crash_after_
 FAILPOINT_EXIT_CODE = 77
 
 HttpResultName = Literal["ok", "http_error", "timeout", "connection_error", "refused"]
+
+# The `reason` of a `release` event for leases given back because too little of them was left.
+LEASE_TOO_SHORT = "lease too short to send"
 
 
 class ConfigError(ValueError):
@@ -181,6 +191,15 @@ def _positive(what: str, value: float) -> None:
         raise ConfigError(f"{what} must be a positive number of seconds (got {value!r})")
 
 
+def lease_left(lease_seconds: float, *, granted_after: float, now: float) -> float:
+    """A lower bound on what is left at `now` of a lease of `lease_seconds` granted by a call
+    (a claim, or a renewal extending by `lease_seconds`) sent at `granted_after`, both read
+    from one monotonic clock. The database cannot have started the lease before the call was
+    sent, however long its commit and answer took, so no clock is shared with the database.
+    Negative once the lease may have run out."""
+    return lease_seconds - (now - granted_after)
+
+
 def _iso(when: datetime) -> str:
     return when.isoformat()
 
@@ -260,13 +279,14 @@ class Dispatcher:
                     await self._maybe_recover()
                     if self.stopping:
                         break
+                    claim_sent = time.monotonic()
                     leases = await self._claim()
                     if leases is None:
                         continue
                     if not leases:
                         await self._idle()
                         continue
-                    await self._run_batch(session, resolver, leases)
+                    await self._run_batch(session, resolver, leases, claim_sent)
         except BaseException as exc:
             self._stop_reason = f"error: {type(exc).__name__}: {_one_line(exc)}"
             raise
@@ -321,7 +341,11 @@ class Dispatcher:
             await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
 
     async def _run_batch(
-        self, session: aiohttp.ClientSession, resolver: PinnedResolver, leases: list[Lease]
+        self,
+        session: aiohttp.ClientSession,
+        resolver: PinnedResolver,
+        leases: list[Lease],
+        claim_sent: float,
     ) -> None:
         claimed_at = time.monotonic()
         for lease in leases:
@@ -336,6 +360,25 @@ class Dispatcher:
             self._failpoint("crash_after_claim", lease)
         if self.stopping:
             await self._release(leases)
+            return
+        # The leases' clock started at the claim's UPDATE, not its COMMIT, so a commit that
+        # stalled can hand back leases that already ran out and that another worker has
+        # recovered and is delivering: calling now would deliver those jobs twice at once and
+        # over their accounts' limits. Send only if the call (its timeout covers the vetting)
+        # and the result write fit in what is surely left; else give the leases back (the
+        # release is fenced where a lease passed on). Every call of the batch starts right
+        # below, before any renewal, so this one check from the claim covers each of them.
+        # `unsafe_timing` waives this rule as it waives the same rule in `validate`.
+        now = time.monotonic()
+        left = lease_left(self.config.lease_seconds, granted_after=claim_sent, now=now)
+        needed = self.config.http_timeout_seconds + self.config.write_margin_seconds
+        if left < needed and not self.config.unsafe_timing:
+            _log(
+                f"{self.worker_id}: the claim took {claimed_at - claim_sent:.1f}s, so only "
+                f"{max(left, 0.0):.1f}s of its leases is sure to be left, less than the HTTP "
+                f"timeout + write margin ({needed:g}s): giving {len(leases)} job(s) back unsent"
+            )
+            await self._release(leases, reason=LEASE_TOO_SHORT)
             return
         current: dict[int, Lease] = dict(enumerate(leases))
         tasks = [asyncio.create_task(self._execute(session, resolver, lease)) for lease in leases]
@@ -529,18 +572,20 @@ class Dispatcher:
                 started=started,
             )
 
-    async def _release(self, leases: Sequence[Lease]) -> None:
+    async def _release(self, leases: Sequence[Lease], *, reason: str | None = None) -> None:
         try:
             written = await asyncio.to_thread(self.backend.release, leases)
         except Exception as exc:
             _log(f"{self.worker_id}: releasing leases failed, they will expire: {exc}")
             return
+        because = {} if reason is None else {"reason": reason}
         for lease, write in zip(leases, written, strict=True):
             self.emit(
                 "release",
                 job_id=str(lease.job_id),
                 attempt=lease.attempt,
                 result=write.value,
+                **because,
             )
 
     async def _renew_until_written(
@@ -671,11 +716,13 @@ def run_worker(
 __all__ = [
     "FAILPOINT_EXIT_CODE",
     "FAILPOINT_NAMES",
+    "LEASE_TOO_SHORT",
     "BackendFactory",
     "ConfigError",
     "Dispatcher",
     "DispatcherConfig",
     "EventSink",
+    "lease_left",
     "run_worker",
     "validate_worker_count",
 ]
