@@ -46,6 +46,10 @@ NEMESIS_KINDS: tuple[str, ...] = NemesisKind.__args__  # type: ignore[attr-defin
 
 # What to do with a fault that needs a server the harness started when the DSN is external.
 ExternalPolicy = Literal["refuse", "skip"]
+# Where pause_worker freezes a worker: while it holds leases (SIGSTOP), or inside its claim
+# transaction, after the claim's UPDATE and before its COMMIT, where the lease clock already
+# runs and the account and job rows stay locked.
+PausePhase = Literal["lease", "claim"]
 
 
 class NemesisError(ValueError):
@@ -77,6 +81,7 @@ class NemesisSpec:
     count: int = 1
     probability: float = 1.0
     external: ExternalPolicy = "refuse"
+    phase: PausePhase = "lease"
 
     def validate(self) -> NemesisSpec:
         if self.kind not in NEMESIS_KINDS:
@@ -101,6 +106,11 @@ class NemesisSpec:
         if self.external not in ("refuse", "skip"):
             raise NemesisError(f"nemesis {self.kind}: external must be 'refuse' or 'skip' "
                                f"(got {self.external!r})")
+        if self.phase not in ("lease", "claim"):
+            raise NemesisError(f"nemesis {self.kind}: phase must be 'lease' or 'claim' "
+                               f"(got {self.phase!r})")
+        if self.phase != "lease" and self.kind != "pause_worker":
+            raise NemesisError(f"nemesis {self.kind}: phase applies to pause_worker only")
         return self
 
     def to_json(self) -> dict[str, Any]:
@@ -126,7 +136,7 @@ def spec_from_mapping(raw: Mapping[str, Any], where: str = "nemesis") -> Nemesis
 
 
 def _coerce(where: str, key: str, value: Any) -> Any:
-    if key in ("kind", "external"):
+    if key in ("kind", "external", "phase"):
         if not isinstance(value, str):
             raise NemesisError(f"{where}.{key} must be a string (got {value!r})")
         return value
@@ -192,6 +202,7 @@ class PlannedFault:
     probability: float
     external: ExternalPolicy
     seed: int
+    phase: PausePhase = "lease"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -215,6 +226,7 @@ def plan(specs: Sequence[NemesisSpec], *, seed: int, load_seconds: float,
                 planned.append(PlannedFault(
                     kind=spec.kind, at=round(at, 3), duration=duration, count=spec.count,
                     probability=spec.probability, external=spec.external, seed=fault_seed,
+                    phase=spec.phase,
                 ))
             if spec.interval <= 0:
                 break

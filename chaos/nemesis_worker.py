@@ -16,6 +16,10 @@ from chaos.nemesis import Fault, FaultSkipped, register
 # its leases for milliseconds at a time), and how often it looks.
 HOLDER_WAIT_SECONDS = 2.0
 HOLDER_POLL_SECONDS = 0.003
+# How long a claim-phase pause waits for some worker to claim; the failpoint file's key for
+# how long the stalled worker sleeps (read by queue_impl.dispatcher).
+CLAIM_STALL_WAIT_SECONDS = 5.0
+PAUSE_SECONDS_KEY = "pause_in_claim_seconds"
 
 
 def _choose_holders(fault: Fault) -> list[str]:
@@ -43,22 +47,78 @@ class KillWorker(Fault):
 
 @register
 class PauseWorker(Fault):
-    """SIGSTOP workers that hold leases for `duration` (by default longer than the lease),
-    then SIGCONT: their leases expire and pass to others meanwhile, so their late result
-    writes must be fenced, and their late calls are explained by this event."""
+    """Freeze workers for `duration` (by default longer than the lease).
+
+    phase "lease": SIGSTOP workers that hold leases, then SIGCONT. Their leases expire and
+    pass to others meanwhile, so their late result writes must be fenced, and their late
+    calls are explained by this event.
+
+    phase "claim": the next worker to claim stalls inside its claim transaction, after the
+    claim's UPDATE and before its COMMIT (the `pause_in_claim` failpoint: the worker sleeps
+    there, its backend idle in transaction), so the leases it will get are already running
+    out, and its account rows stay locked, when it wakes. It must not send on leases that
+    expired meanwhile and were recovered. The worker is found by its session in
+    pg_stat_activity; the event's window runs from the failpoint's opening to the wake-up."""
 
     kind = "pause_worker"
 
     def apply(self) -> list[str | None]:
+        self.data["seconds"] = self.planned.duration
+        if self.planned.phase == "claim":
+            return self._stall_a_claim()
         self._paused = _choose_holders(self)
         for worker in self._paused:
             self.ctx.signal_worker(worker, signal.SIGSTOP)
-        self.data["seconds"] = self.planned.duration
         return list(self._paused)
+
+    def _stall_a_claim(self) -> list[str | None]:
+        self.data["phase"] = "claim"
+        seconds = self.planned.duration
+        self.ctx.set_failpoint(PAUSE_SECONDS_KEY, seconds)
+        self.ctx.set_failpoint("pause_in_claim", 1.0)
+        found: set[str] = set()
+        deadline = time.monotonic() + CLAIM_STALL_WAIT_SECONDS
+        try:
+            while not found and time.monotonic() < deadline:
+                found |= self._stalled_claims()
+                time.sleep(0.02)
+        finally:
+            self.ctx.set_failpoint("pause_in_claim", 0.0)
+        # A worker that decided to stall just before the window closed is asleep by now.
+        time.sleep(0.1)
+        found |= self._stalled_claims()
+        if not found:
+            raise FaultSkipped(f"no worker claimed within {CLAIM_STALL_WAIT_SECONDS:g} s")
+        # Each sleeper wakes by itself `seconds` after it stalled, at the latest this late.
+        self._awake_at = time.time() + seconds
+        return list[str | None](sorted(found))
+
+    def _stalled_claims(self) -> set[str]:
+        """Workers whose lease session is idle inside a transaction (only a stalled claim
+        leaves it so: the reference queue commits every other transaction at once)."""
+        import psycopg
+
+        from chaos.nemesis_db import like_prefix
+
+        with psycopg.connect(self.ctx.dsn, autocommit=True, connect_timeout=2,
+                             application_name="skiplock-harness-pause") as conn:
+            rows = conn.execute(
+                "SELECT application_name FROM pg_stat_activity"
+                " WHERE application_name LIKE %s ESCAPE '\\'"
+                " AND state = 'idle in transaction'",
+                [like_prefix(self.ctx.app_prefix)],
+            ).fetchall()
+        names = [str(row[0]) for row in rows]
+        return {name[len(self.ctx.app_prefix):].removesuffix("-lease")
+                for name in names if name.endswith("-lease")}
 
     def heal(self) -> None:
         for worker in getattr(self, "_paused", ()):
             self.ctx.signal_worker(worker, signal.SIGCONT)
+        awake_at = getattr(self, "_awake_at", None)
+        if awake_at is not None:
+            # The window must cover the whole stall, even when the load ends first.
+            time.sleep(max(0.0, awake_at - time.time()))
 
 
 class _FailpointWindow(Fault):

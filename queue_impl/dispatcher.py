@@ -77,6 +77,11 @@ EventSink = Callable[[str, Mapping[str, Any]], None]
 
 FailpointName = Literal["crash_after_claim", "crash_after_http"]
 FAILPOINT_NAMES: tuple[FailpointName, ...] = ("crash_after_claim", "crash_after_http")
+# Only through the failpoint file (a fault schedule opens it and a nemesis watches for the
+# stalled session): stall inside the claim transaction, before its COMMIT, this many seconds.
+PAUSE_IN_CLAIM = "pause_in_claim"
+PAUSE_IN_CLAIM_SECONDS = "pause_in_claim_seconds"
+_FILE_KEYS = frozenset({*FAILPOINT_NAMES, PAUSE_IN_CLAIM, PAUSE_IN_CLAIM_SECONDS})
 # The exit status of a process killed by a failpoint, so the pool can tell it from a bug.
 FAILPOINT_EXIT_CODE = 77
 
@@ -245,6 +250,8 @@ class Dispatcher:
         self._stop_reason = "stopped"
         self._next_recovery = 0.0
         self._failpoint_cache: tuple[object, dict[str, float]] = (None, {})
+        if config.failpoint_file is not None and hasattr(backend, "claim_commit_hook"):
+            backend.claim_commit_hook = self._stall_in_claim
 
     # -- events ----------------------------------------------------------------------------
 
@@ -645,12 +652,21 @@ class Dispatcher:
             try:
                 with open(path, encoding="utf-8") as fh:
                     raw = json.load(fh)
-                loaded = {str(k): float(v) for k, v in raw.items() if k in FAILPOINT_NAMES}
+                loaded = {str(k): float(v) for k, v in raw.items() if k in _FILE_KEYS}
             except (OSError, ValueError, TypeError, AttributeError) as exc:
                 _log(f"{self.worker_id}: ignoring the failpoint file: {_one_line(exc)}")
                 loaded = {}
             self._failpoint_cache = (key, loaded)
         return self._failpoint_cache[1]
+
+    def _stall_in_claim(self) -> None:
+        """The `pause_in_claim` failpoint, run by the backend between a claim's statements
+        and its COMMIT (on the claim's thread): sleep there, as a worker frozen inside its
+        claim transaction would, while the leases' clock runs."""
+        found = self._file_failpoints()
+        probability = found.get(PAUSE_IN_CLAIM, 0.0)
+        if probability > 0 and self._rng.random() < probability:
+            time.sleep(max(0.0, found.get(PAUSE_IN_CLAIM_SECONDS, 0.0)))
 
     def failpoint_fires(self, name: FailpointName) -> bool:
         """This worker's next decision for failpoint `name` (seeded: see the module doc)."""

@@ -21,7 +21,7 @@ import dataclasses
 import os
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import datetime, timedelta
 from enum import Enum
@@ -102,6 +102,9 @@ class PgQueue:
         self._pinned: datetime | None = None
         # Only the long-tx variant leaves the lease connection inside a transaction.
         self._open_claim = False
+        # Called between a claim's statements and its COMMIT when it took rows (fault
+        # injection: a worker frozen inside its claim transaction). None: nothing.
+        self.claim_commit_hook: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return f"PgQueue(variant={self.variant!r}, schema={self.schema!r})"
@@ -313,6 +316,10 @@ class PgQueue:
                 # The anti-pattern: the claim stays uncommitted until finish().
                 self._open_claim = True
             else:
+                if rows and self.claim_commit_hook is not None:
+                    # Inside the claim's transaction, its rows updated and locked: where a
+                    # stalled worker (or a stalled COMMIT) holds leases whose clock runs.
+                    self.claim_commit_hook()
                 try:
                     conn.commit()
                 except BaseException:

@@ -222,9 +222,21 @@ class _ScheduleNemesis:
 
 
 def new_run_dir(out: Path, spec: ScenarioSpec, seed: int) -> Path:
+    """A fresh directory for one run, directly inside `out`. The scenario's name is part of
+    its name: the spec admits only plain file-name parts, and this checks the result again,
+    so that no name (`../x`, `/etc`) can put a run anywhere else."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    run_dir = out / f"{stamp}-{spec.name}-s{seed}-{secrets.token_hex(2)}"
-    run_dir.mkdir(parents=True, exist_ok=False)
+    leaf = f"{stamp}-{spec.name}-s{seed}-{secrets.token_hex(2)}"
+    run_dir = out / leaf
+    if (Path(leaf).name != leaf or os.sep in leaf or (os.altsep and os.altsep in leaf)
+            or run_dir.resolve().parent != out.resolve()):
+        raise UsageError(f"scenario name {spec.name!r} would put the run directory outside"
+                         f" --out {out}: use letters, digits, '-', '_' and '.'")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=False)
+    except OSError as exc:
+        raise UsageError(f"--out {out}: cannot create the run directory there"
+                         f" ({exc.strerror or exc}): give a directory you can write to") from None
     return run_dir
 
 
@@ -620,7 +632,7 @@ def run_scenario(
             target = stack.enter_context(_target(run_dir))
             allow = (f"{target.host}:{target.port}",)
             config = dataclasses.replace(dispatcher_config(spec, allow), seed=options.seed)
-            if any(p.kind in FAILPOINT_NAMES for p in planned):
+            if any(p.kind in FAILPOINT_NAMES or p.phase == "claim" for p in planned):
                 config = dataclasses.replace(
                     config, failpoint_file=str(run_dir / FAILPOINTS_FILE))
 

@@ -76,3 +76,28 @@ def test_pause_workers_fences_the_late_writes_and_has_no_stale_write(
     assert fenced, "the paused workers' late writes were not fenced"
     spec_json = json.loads((result.run_dir / "spec.json").read_text())
     assert [p["kind"] for p in spec_json["nemesis_schedule"]] == ["pause_worker"] * 2
+
+
+def test_a_worker_paused_inside_its_claim_transaction_sends_nothing_on_expired_leases(
+        pg_dsn: str, tmp_path: Path) -> None:
+    """The pause nemesis freezes the next claimer between its UPDATE and its COMMIT for
+    longer than the lease: its leases expire and are recovered meanwhile. On waking it must
+    give them back instead of sending, so no job is in flight twice and the account never
+    goes over its limit."""
+    spec = tmp_path / "stall.toml"
+    spec.write_text(
+        "duration = 5\nwarmup = 0.5\nrate = 3\nworkers = 2\nlease = 3\nhttp_timeout = 1\n"
+        "write_margin = 1\nslow_seconds = 0.7\nretry_base = 1\nretry_jitter = 0.2\n"
+        "[accounts]\ntight = 2\n[mix]\nslow = 1\n"
+        '[[nemesis]]\nkind = "pause_worker"\nphase = "claim"\nat = 1\nduration = 5\n')
+    result = run(pg_dsn, tmp_path, str(spec), [], seed=2)
+    [pause] = [f for f in read_jsonl(result.run_dir / NEMESIS_FILE)]
+    assert pause["skipped"] is None, pause
+    assert pause["data"]["phase"] == "claim" and pause["end"] - pause["start"] >= 5
+    verdict = result.verdict
+    assert verdict.counts["concurrent_delivery"] == 0, verdict.examples
+    assert verdict.counts["limit_exceeded"] == 0, verdict.examples
+    assert verdict.valid is True, verdict.examples
+    stalled = [e for e in worker_events(result.run_dir)
+               if e["worker"] == pause["target"] and e["kind"] == "release"]
+    assert stalled and all(e["reason"] == "lease too short to send" for e in stalled)
