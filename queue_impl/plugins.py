@@ -4,6 +4,15 @@ A `BackendSpec` is what crosses process boundaries: a small picklable record. Ea
 process calls `.create()` after it starts, so every connection is opened in the process that
 uses it. Names of the form `package.module:factory` load any other implementation of
 `QueueBackend`; the factory is called as `factory(dsn=..., schema=..., sql_path=...)`.
+
+A run's producers and workers are separate processes that share nothing but the queue's
+store, so a queue that lives inside one process (the in-memory model) cannot serve a run. A
+factory says so with `shared = False` on itself or on the class of the queue it returns;
+`check_backend` refuses such a backend, and any factory that raises or returns no queue,
+before a run starts anything.
+
+DSNs are shown only through `redact` and error texts only through `scrub`: neither prints any
+part of a password, whatever shape the DSN has.
 """
 
 from __future__ import annotations
@@ -12,7 +21,8 @@ import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
+from urllib.parse import unquote
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -60,15 +70,212 @@ def validate_backend_name(name: str) -> None:
     load_factory(name)
 
 
-def redact(dsn: str) -> str:
-    """The DSN without its password, for display."""
+def is_shared(factory_or_queue: object) -> bool:
+    """False when a factory, a queue or the queue's class says `shared = False`: its queue
+    lives in the process that built it, so separate processes would each see their own."""
+    return getattr(factory_or_queue, "shared", True) is not False
+
+
+def _process_local(queue: object) -> bool:
+    # The in-memory model is one process's queue; its module predates the `shared` flag.
+    from queue_impl.memory import InMemoryQueue
+
+    return not is_shared(queue) or isinstance(queue, InMemoryQueue)
+
+
+def _not_shared(name: str) -> ValueError:
+    return ValueError(
+        f"backend {name!r}: its queue lives inside one process (an in-memory queue, for tests);"
+        " a run's producers and workers are separate processes and would share nothing:"
+        " use pg, a variant, or a queue kept in a store every process reaches"
+    )
+
+
+def _build(factory: Factory, name: str, dsn: str | None, schema: str,
+           sql_path: str | None) -> QueueBackend:
+    """Call a plug-in's factory; whatever goes wrong is one line naming the factory."""
+    call = "factory(dsn=..., schema=..., sql_path=...)"
     try:
-        params = conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError:
-        return "<unparsable DSN>"
-    if "password" in params:
-        params["password"] = "***"
-    return make_conninfo(**{k: str(v) for k, v in params.items() if v is not None})
+        backend = factory(dsn=dsn, schema=schema, sql_path=sql_path)
+    except TypeError as exc:
+        raise ValueError(
+            f"backend {name!r}: cannot be called as {call} ({scrub(_one_line(exc), dsn)})"
+        ) from exc
+    except Exception as exc:  # the user's code: any failure is theirs to fix
+        raise ValueError(
+            f"backend {name!r}: the factory raised {type(exc).__name__}"
+            f" ({scrub(_one_line(exc), dsn)}); it is called as {call}"
+        ) from exc
+    if backend is None:
+        raise ValueError(f"backend {name!r}: the factory returned None; it must return a"
+                         " QueueBackend (queue_impl.interface)")
+    if not isinstance(backend, QueueBackend):
+        raise ValueError(
+            f"backend {name!r}: the factory returned {type(backend).__name__}, "
+            "which does not implement QueueBackend"
+        )
+    return backend
+
+
+def check_backend(name: str, *, dsn: str | None, schema: str,
+                  sql_path: str | None = None) -> None:
+    """Refuse, before a run starts anything, a backend it could not use: call a plug-in's
+    factory once, here, as every worker and producer will (and close what it returns).
+    ValueError with one line naming the factory and what went wrong; the reference names
+    pass (their failures are the server's, reported where it is reached)."""
+    if name in BACKEND_NAMES:
+        return
+    factory = load_factory(name)
+    if not is_shared(factory):
+        raise _not_shared(name)
+    backend = _build(factory, name, dsn, schema, sql_path)
+    local = _process_local(backend)
+    try:
+        backend.close()
+    except Exception as exc:
+        raise ValueError(
+            f"backend {name!r}: close() of the queue the factory returned raised"
+            f" {type(exc).__name__} ({scrub(_one_line(exc), dsn)})"
+        ) from exc
+    if local:
+        raise _not_shared(name)
+
+
+# --------------------------------------------------------------------------------------------
+# Showing a DSN without its password.
+# --------------------------------------------------------------------------------------------
+
+DSN_HIDDEN = "<DSN hidden>"
+_URI = re.compile(r"^(?P<scheme>postgres(?:ql)?)://", re.IGNORECASE)
+_SECRET_KEYS = frozenset({"password", "sslpassword"})
+# What may be printed of a DSN that libpq does not read the way its text suggests: a host
+# list (names, IPv4, [IPv6], ports, a percent-encoded socket directory), nothing else.
+_SAFE_HOST = re.compile(r"^[A-Za-z0-9._\-:,\[\]%]+$")
+_KV_HOST = re.compile(r"(?:^|\s)host\s*=\s*([A-Za-z0-9._\-:,\[\]/]+)(?=\s|$)")
+_SCRUB_HIDDEN = ("details hidden: the DSN's password cannot be told apart from the rest"
+                 " (percent-encode @ as %40 and / as %2F in a URI's password)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DsnView:
+    """What may be printed of a DSN, and what never may."""
+
+    display: str
+    secrets: tuple[str, ...] = ()
+    # True when libpq reads the password exactly where the text puts it, so nothing but the
+    # password itself is secret. False: libpq would read part of it as a host, a port or a
+    # database (an unescaped `@` or `/`), or cannot parse the DSN at all.
+    trusted: bool = True
+
+
+def _libpq(dsn: str) -> dict[str, Any] | None:
+    try:
+        return conninfo_to_dict(dsn)
+    except psycopg.Error:
+        return None
+
+
+def _masked(params: dict[str, Any]) -> str:
+    shown = {k: ("***" if k in _SECRET_KEYS else str(v))
+             for k, v in params.items() if v is not None}
+    return make_conninfo("", **shown)
+
+
+def dsn_view(dsn: str) -> DsnView:
+    """Split a DSN (a URI or key=value pairs) into what may be shown and what is secret.
+
+    In a URI the password is taken to run from the first `:` of the user part to the last
+    `@` before the query (or the last `@` at all when the query comes first): anything libpq
+    might read differently is secret. When libpq's own reading of the password disagrees,
+    only the host after the last `@` is shown, if it looks like one."""
+    text = dsn.strip()
+    if not text:
+        return DsnView(display="<empty DSN>")
+    params = _libpq(text)
+    uri = _URI.match(text)
+    if uri is None:
+        if params is not None:
+            return DsnView(display=_masked(params),
+                           secrets=tuple(str(params[k]) for k in _SECRET_KEYS if params.get(k)))
+        # An unbalanced quote, a stray word: no telling where a password ends. A host given
+        # before any quote or backslash is a token of its own, never part of a value.
+        head = re.split(r"['\\]", text, maxsplit=1)[0]
+        host_token = _KV_HOST.search(head)
+        shown = f"host={host_token.group(1)} {DSN_HIDDEN}" if host_token else DSN_HIDDEN
+        return DsnView(display=shown, trusted=False)
+
+    scheme = uri.group("scheme")
+    rest = text[uri.end():]
+    head = rest.split("?", 1)[0]
+    at = head.rfind("@") if "@" in head else rest.rfind("@")
+    found: list[str] = []
+    password: str | None = None
+    if at >= 0:
+        _user, colon, password_text = rest[:at].partition(":")
+        if colon:
+            password = password_text
+            found += [password_text, unquote(password_text)]
+    query = rest[at + 1:].partition("?")[2]
+    for item in query.split("&"):
+        key, _eq, value = item.partition("=")
+        if unquote(key) in _SECRET_KEYS and value:
+            found += [value, unquote(value)]
+    if params is not None:
+        found += [str(params[k]) for k in _SECRET_KEYS if params.get(k)]
+    unique = tuple(dict.fromkeys(s for s in found if s))
+    agrees = params is not None and (
+        password is None or unquote(password) == str(params.get("password") or "")
+    )
+    if agrees:
+        assert params is not None
+        return DsnView(display=_masked(params), secrets=unique)
+    last = rest.rfind("@")
+    widest = rest[:last].partition(":")[2] if last >= 0 else ""
+    unique = tuple(dict.fromkeys(s for s in (widest, *unique) if s))
+    host = re.split(r"[/?]", rest[last + 1:], maxsplit=1)[0]
+    shown = f"{scheme}://{host} {DSN_HIDDEN}" if _SAFE_HOST.match(host) else DSN_HIDDEN
+    return DsnView(display=shown, secrets=unique, trusted=False)
+
+
+def redact(dsn: str) -> str:
+    """The DSN without any part of its password, for display."""
+    return dsn_view(dsn).display
+
+
+def dsn_problem(dsn: str) -> str | None:
+    """Why libpq would not read this DSN's password as written, or None."""
+    view = dsn_view(dsn)
+    if view.trusted:
+        return None
+    if _libpq(dsn.strip()) is None:
+        return ("cannot be parsed: give a URI like postgresql://USER:PASSWORD@HOST:PORT/DB"
+                " or key=value pairs")
+    return ("its password holds a character a URI reserves, so PostgreSQL would read part"
+            " of it as the host, port or database: percent-encode it (@ as %40, / as %2F,"
+            " : as %3A)")
+
+
+def scrub(text: str, dsn: str | None) -> str:
+    """`text` (an error message) on one line with no part of the DSN's password in it.
+
+    libpq never echoes a password it parsed, so for a DSN it reads as written the password
+    is cut out where it appears; a short one only where it stands as a word of its own
+    (cutting every `p` would mangle the text and point at the password). For a DSN libpq
+    misreads, any value it quotes back may hold a piece of the password: the text is
+    replaced whole."""
+    line = " ".join(text.split())
+    if not dsn or not dsn.strip():
+        return line
+    view = dsn_view(dsn)
+    if not view.trusted:
+        return _SCRUB_HIDDEN
+    line = line.replace(dsn.strip(), view.display)
+    for secret in sorted(view.secrets, key=len, reverse=True):
+        if len(secret) >= 4:
+            line = line.replace(secret, "***")
+        else:
+            line = re.sub(rf"(?<![\w.]){re.escape(secret)}(?![\w.])", "***", line)
+    return line
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,20 +300,7 @@ class BackendSpec:
                 sql=self.sql_path,
                 variant=cast(Variant, self.name),
             )
-        factory = load_factory(self.name)
-        try:
-            backend = factory(dsn=self.dsn, schema=self.schema, sql_path=self.sql_path)
-        except TypeError as exc:
-            raise ValueError(
-                f"backend {self.name!r}: cannot be called as factory(dsn=..., schema=..., "
-                f"sql_path=...) ({_one_line(exc)})"
-            ) from exc
-        if not isinstance(backend, QueueBackend):
-            raise ValueError(
-                f"backend {self.name!r}: the factory returned {type(backend).__name__}, "
-                "which does not implement QueueBackend"
-            )
-        return backend
+        return _build(load_factory(self.name), self.name, self.dsn, self.schema, self.sql_path)
 
     def display(self) -> str:
         parts = [self.name, f"schema={self.schema}"]

@@ -1,24 +1,34 @@
 """`skiplock run SCENARIO`: run one scenario end to end and judge it.
 
 Ends with the verdict and the judging exit code: 0 valid, 1 a guarantee violated, 3 unknown,
-2 bad input, 4 harness failure.
+2 bad input, 4 harness failure. Every input is checked before anything starts: the scenario,
+the flags, `--out`, the DSN's shape, then, on the server provisioning found, the backend (a
+plug-in's factory is called once here); bad input is exit 2 with one line, and no run
+directory is made.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import random
+import secrets
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from chaos.nemesis import NemesisError, check_schedule, shortcut
 from scenarios.errors import UsageError
-from scenarios.provision import DSN_ENV
+from scenarios.provision import DSN_ENV, PgServer
 from scenarios.spec import ScenarioSpec, SpecError, available, load
+
+if TYPE_CHECKING:
+    from scenarios.runner import RunOptions
 
 
 def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +83,8 @@ def resolve(args: argparse.Namespace, scenario: str) -> tuple[ScenarioSpec, int]
             statements_with_overrides(args.sql_path)
         except SqlFileError as exc:
             raise UsageError(str(exc)) from None
+    check_dsn(args.dsn)
+    check_out(args.out)
     overrides = list(args.overrides)
     flags = {
         "duration": args.duration,
@@ -107,6 +119,70 @@ def resolve(args: argparse.Namespace, scenario: str) -> tuple[ScenarioSpec, int]
     return spec, seed
 
 
+def check_dsn(dsn: str | None) -> None:
+    """An empty --dsn, or a DSN libpq would read otherwise than written (a password with an
+    unescaped `@` or `/` becomes a host or a database), is refused without printing any part
+    of its password."""
+    from queue_impl.plugins import dsn_problem, redact
+
+    if dsn is not None and not dsn.strip():
+        raise UsageError("--dsn is empty: give a PostgreSQL URI such as"
+                         " postgresql://USER@HOST:PORT/DB, or leave --dsn out to use"
+                         f" {DSN_ENV}, Docker or the embedded server")
+    given, where = (dsn, "--dsn") if dsn else (os.environ.get(DSN_ENV), DSN_ENV)
+    if given:
+        problem = dsn_problem(given)
+        if problem is not None:
+            raise UsageError(f"{where} {redact(given)}: {problem}")
+
+
+def check_out(out: Path) -> None:
+    """--out must be (or be creatable as) a directory this process can write to. Nothing is
+    created here: a run refused later leaves nothing behind."""
+    if out.exists():
+        if not out.is_dir():
+            raise UsageError(f"--out {out} is a file: give a directory (each run gets its own"
+                             " directory inside it)")
+        existing = out
+    else:
+        existing = next(p for p in out.absolute().parents if p.exists())
+        if not existing.is_dir():
+            raise UsageError(f"--out {out}: {existing} is a file, not a directory: give a"
+                             " directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out}: {existing} is not writable: give a directory you can"
+                         " write to")
+
+
+@contextlib.contextmanager
+def checked_server(args: argparse.Namespace) -> Iterator[PgServer]:
+    """PostgreSQL as provisioning finds it (--dsn, SKIPLOCK_PG_DSN, Docker, embedded), with
+    the backend checked against it before the run starts anything: a plug-in's factory is
+    called once here with the run's DSN and SQL file, and what it returns is closed.
+
+    Its schema is `--schema` if given; otherwise a fresh name no run uses, since the run
+    names its own fresh schema when it starts (a factory opens nothing until `setup()`, as
+    `QueueBackend` says, so the name only has to be valid)."""
+    from queue_impl.plugins import check_backend
+    from scenarios.provision import postgres
+
+    with postgres(args.dsn, durable=True) as server:
+        try:
+            check_backend(args.backend, dsn=server.dsn,
+                          schema=args.schema or f"skiplock_{secrets.token_hex(4)}",
+                          sql_path=args.sql_path)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        yield server
+
+
+def run_options(args: argparse.Namespace, seed: int, server: PgServer) -> RunOptions:
+    from scenarios.runner import RunOptions
+
+    return RunOptions(backend=args.backend, seed=seed, out=args.out, dsn=args.dsn,
+                      sql_path=args.sql_path, schema=args.schema, server=server)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", metavar="SCENARIO",
                         help=f"a scenario name ({', '.join(available())}) or a .toml path")
@@ -117,16 +193,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from scenarios.progress import print_line
-    from scenarios.runner import RunOptions, run_scenario
+    from scenarios.runner import run_scenario
 
     spec, seed = resolve(args, args.scenario)
     console = Console(stderr=True, highlight=False)
-    options = RunOptions(backend=args.backend, seed=seed, out=args.out, dsn=args.dsn,
-                         sql_path=args.sql_path, schema=args.schema)
-    console.print(f"skiplock run {spec.name}: backend {args.backend}, seed {seed},"
-                  f" {spec.workers} workers, {spec.rate:g} jobs/s for {spec.duration:g} s")
-    result = run_scenario(spec, options, observer=None if args.quiet else print_line(console),
-                          announce=console.print)
+    with checked_server(args) as server:
+        console.print(f"skiplock run {spec.name}: backend {args.backend}, seed {seed},"
+                      f" {spec.workers} workers, {spec.rate:g} jobs/s for {spec.duration:g} s")
+        result = run_scenario(spec, run_options(args, seed, server),
+                              observer=None if args.quiet else print_line(console),
+                              announce=console.print)
     verdict = result.verdict
     if args.json:
         print(json.dumps(verdict.to_json(), indent=2, default=str))

@@ -6,8 +6,11 @@ mix of job scripts. Every scalar is a top-level key; `accounts` and `mix` are ta
 keys are overridable from the command line (`--set key=value`, `--set mix.slow=2`), so a
 scenario file and a command line mean the same thing.
 
-Bad input (unknown keys, impossible values) raises `SpecError` with one line saying what to
-fix; the CLI turns it into exit code 2.
+A TOML file's values must have their key's own type (`recovery = "yes"` is a string, not a
+boolean; `name = 5` is a number, not a name); `--set` values are text and are converted
+("true"/"false", numbers). Bad input (unknown keys, impossible values, a file that is empty or
+not UTF-8) raises `SpecError` with one line saying what to fix; the CLI turns it into exit
+code 2.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +47,10 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "reset",
 )
 FAILPOINT_NAMES: tuple[str, ...] = ("crash_after_claim", "crash_after_http")
+
+# A scenario's name is part of its run directory's name: one plain file-name part.
+NAME_MAX = 64
+_NAME = re.compile(rf"^[A-Za-z0-9_-][A-Za-z0-9._-]{{0,{NAME_MAX - 1}}}$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +118,12 @@ class ScenarioSpec:
 
     def validate(self) -> ScenarioSpec:
         """Refuse values that cannot run; returns self so calls chain."""
+        if not _NAME.match(self.name):
+            raise SpecError(
+                f"name {self.name!r} cannot name a run directory: use letters, digits, '-',"
+                f" '_' and '.' (not first), at most {NAME_MAX} characters (name = \"...\" in"
+                " the scenario file, or --set name=...)"
+            )
         # NaN passes every comparison below (all of them are False), and an infinite
         # duration or lease never ends: refuse both before anything else.
         numbers: list[tuple[str, object]] = [
@@ -325,9 +339,52 @@ def resolve_path(scenario: str) -> Path:
     return named
 
 
-def _coerce(key: str, value: Any, kind: Any) -> Any:
-    """A TOML value (or a command-line string) as the field's type."""
-    name = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+def _type_name(kind: Any) -> str:
+    return kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+
+
+# How a wrong TOML type is described: the value's own TOML type, by Python type.
+_TOML_TYPES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
+               list: "an array", dict: "a table"}
+_EXPECTED = {"bool": "true or false (a TOML boolean)", "int": "a whole number",
+             "float": "a number", "str": "a string"}
+
+
+def _check_toml_type(key: str, value: Any, kind: Any) -> None:
+    """A TOML value must already have the key's type: no string for a boolean or a number,
+    no number for a name. (A float key takes an integer: `duration = 10` means 10.0.)"""
+    name = _type_name(kind)
+    ok = {
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, int | float) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+    }.get(name, True)
+    if not ok:
+        given = _TOML_TYPES.get(type(value), type(value).__name__)
+        hint = f" (write {key} = {value})" if name != "str" and isinstance(value, str) \
+            and _looks_like(name, value) else ""
+        raise SpecError(f"{key} must be {_EXPECTED.get(name, name)}, not {given}"
+                        f" ({value!r}){hint}")
+
+
+def _looks_like(name: str, text: str) -> bool:
+    """Whether a quoted TOML string is the value unquoted (`"true"`, `"4"`): the fix to say."""
+    if name == "bool":
+        return text in ("true", "false")
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return name == "float" or text.strip().lstrip("+-").isdigit()
+
+
+def _coerce(key: str, value: Any, kind: Any, *, strict: bool = False) -> Any:
+    """A value as the field's type. `strict` (TOML, JSON): it must have that type already;
+    otherwise (a command-line string) it is converted."""
+    name = _type_name(kind)
+    if strict:
+        _check_toml_type(key, value, kind)
     try:
         if name == "bool":
             if isinstance(value, bool):
@@ -359,35 +416,41 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
 
 
 def from_mapping(raw: Mapping[str, Any], *, default_name: str = "custom") -> ScenarioSpec:
-    """Build a spec from a parsed TOML document; unknown keys are refused."""
+    """Build a spec from a parsed TOML (or spec.json) document; unknown keys are refused, and
+    every value must have its key's type."""
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key in _TABLES:
             if not isinstance(value, Mapping):
                 raise SpecError(f"{key} must be a table of name = number")
-            values[key] = {str(k): _table_value(key, str(k), v) for k, v in value.items()}
+            values[key] = {str(k): _table_value(key, str(k), v, strict=True)
+                           for k, v in value.items()}
         elif key == "nemesis":
             values[key] = _nemesis_entries(value)
         elif key in _FIELDS:
-            values[key] = _coerce(key, value, _FIELDS[key].type)
+            values[key] = _coerce(key, value, _FIELDS[key].type, strict=True)
         else:
             raise SpecError(f"unknown key {key!r} in scenario; valid keys: {_valid_keys()}")
     values.setdefault("name", default_name)
     return ScenarioSpec(**values)
 
 
-def _table_value(table: str, key: str, value: Any) -> Any:
+def _table_value(table: str, key: str, value: Any, *, strict: bool = False) -> Any:
     """One entry of `accounts`, `mix` or `failpoints`; an account may be "unlimited"."""
     if table == "accounts":
         # None: the same spec read back from spec.json (JSON null).
         if value is None or (isinstance(value, str) and value.strip().lower() == UNLIMITED):
             return None
+        if strict and (isinstance(value, bool) or not isinstance(value, int)):
+            raise SpecError(f"{table}.{key} must be a whole number or \"{UNLIMITED}\","
+                            f" not {_TOML_TYPES.get(type(value), type(value).__name__)}"
+                            f" ({value!r})")
         try:
             return _coerce(f"{table}.{key}", value, "int")
         except SpecError:
             raise SpecError(f"{table}.{key} must be a positive whole number or "
                             f"\"{UNLIMITED}\" (got {value!r})") from None
-    return _coerce(f"{table}.{key}", value, "float")
+    return _coerce(f"{table}.{key}", value, "float", strict=strict)
 
 
 def _nemesis_entries(value: Any) -> tuple[NemesisSpec, ...]:
@@ -419,14 +482,36 @@ def apply_overrides(spec: ScenarioSpec, overrides: Sequence[str]) -> ScenarioSpe
     return dataclasses.replace(spec, **changes)
 
 
+def read_document(path: Path) -> dict[str, Any]:
+    """A scenario file's TOML document; SpecError if it cannot be read, is not UTF-8 text,
+    is not TOML, or holds no key at all (it would silently run every default)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise SpecError(f"cannot read scenario file {path}: {exc.strerror}") from None
+    try:
+        # TOML is UTF-8; a leading byte-order mark is tolerated.
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise SpecError(
+            f"scenario file {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line"
+            f" {line}): save it as UTF-8"
+        ) from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{path} is not valid TOML ({exc})") from None
+    if not raw:
+        raise SpecError(
+            f"scenario file {path} is empty: give the keys to change from the defaults"
+            f" (e.g. duration = 10), or name a shipped scenario ({', '.join(available())})"
+        )
+    return raw
+
+
 def load(scenario: str, overrides: Sequence[str] = ()) -> ScenarioSpec:
     """Resolve, parse, override and validate a scenario."""
     path = resolve_path(scenario)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"{path} is not valid TOML ({exc})") from None
-    except OSError as exc:
-        raise SpecError(f"cannot read {path}: {exc.strerror}") from None
-    spec = from_mapping(raw, default_name=path.stem)
+    spec = from_mapping(read_document(path), default_name=path.stem)
     return apply_overrides(spec, overrides).validate()
