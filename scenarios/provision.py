@@ -74,18 +74,16 @@ OWNER_FILE = "harness.pid"
 
 
 def redact_dsn(dsn: str) -> str:
-    """The DSN with any password replaced, safe for logs and reports."""
+    """The DSN without any part of its password, safe for logs and reports."""
     return redact(dsn)
 
 
 def _scrub(text: str, dsn: str) -> str:
-    """`text` on one line, with the DSN's password (if any) cut out."""
-    line = " ".join(text.split())
-    with contextlib.suppress(psycopg.ProgrammingError):
-        password = conninfo_to_dict(dsn).get("password")
-        if password:
-            line = line.replace(str(password), "***")
-    return line
+    """`text` on one line, with no part of the DSN's password in it (see plugins.scrub: a
+    DSN libpq misreads hides the whole text, since any value it quotes may hold a piece)."""
+    from queue_impl.plugins import scrub
+
+    return scrub(text, dsn)
 
 
 def with_database(dsn: str, dbname: str) -> str:
