@@ -61,6 +61,9 @@ class InMemoryQueue:
     """A `QueueBackend` held in a dict, for tests and as the model."""
 
     name = "memory"
+    # One process's dict: producers and workers in other processes would share nothing, so
+    # the harness refuses it for runs (queue_impl.plugins.is_shared).
+    shared = False
 
     def __init__(self, clock: Callable[[], datetime] | None = None) -> None:
         self._clock = clock or (lambda: datetime.now(UTC))
@@ -361,5 +364,8 @@ def _lease(job: _Job) -> Lease:
 
 def factory(**_: object) -> InMemoryQueue:
     """`queue_impl.memory:factory` for `--backend`: ignores dsn, schema and sql_path. One
-    queue per process, so it only suits single-process use."""
+    queue per process, so it only suits single-process use (tests)."""
     return InMemoryQueue()
+
+
+factory.shared = False  # type: ignore[attr-defined]

@@ -77,10 +77,7 @@ def is_shared(factory_or_queue: object) -> bool:
 
 
 def _process_local(queue: object) -> bool:
-    # The in-memory model is one process's queue; its module predates the `shared` flag.
-    from queue_impl.memory import InMemoryQueue
-
-    return not is_shared(queue) or isinstance(queue, InMemoryQueue)
+    return not is_shared(queue)
 
 
 def _not_shared(name: str) -> ValueError:

@@ -175,6 +175,20 @@ def gate_server(dsn: str | None) -> Iterator[Any]:
         yield server
 
 
+def check_backend_on(server: Any, backend: str, sql_path: str | None) -> None:
+    """Refuse a plug-in the gate could not use (its factory raises, returns no queue, or
+    builds a one-process queue) before any case runs: bad input, exit 2."""
+    import secrets
+
+    from queue_impl.plugins import check_backend
+
+    try:
+        check_backend(backend, dsn=server.dsn, schema=f"skiplock_{secrets.token_hex(4)}",
+                      sql_path=sql_path)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def run_case(scenario: str, seed: int, *, server: Any, backend: str, sql_path: str | None,
              out: Path, overrides: Sequence[str] = ()) -> CaseResult:
     """One scenario x seed, judged. Bad input raises UsageError (it would fail every case
@@ -221,6 +235,7 @@ def run_gate(*, backend: str = "pg", sql_path: str | None = None, dsn: str | Non
     runs.mkdir(parents=True, exist_ok=True)
     try:
         with gate_server(dsn) as server:
+            check_backend_on(server, backend, sql_path)
             for scenario, seed in cases(scenarios, seeds):
                 result = run_case(scenario, seed, server=server, backend=backend,
                                   sql_path=sql_path, out=runs, overrides=overrides)
