@@ -140,20 +140,14 @@ def _coerce(where: str, key: str, value: Any) -> Any:
         if not isinstance(value, str):
             raise NemesisError(f"{where}.{key} must be a string (got {value!r})")
         return value
-    if isinstance(value, bool):
+    # A TOML value has the key's own type: "1" is not a number (nor true a count).
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise NemesisError(f"{where}.{key} must be a number (got {value!r})")
     if key == "count":
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise NemesisError(f"{where}.count must be a whole number (got {value!r})") from None
-        if number != number or number in (float("inf"), float("-inf")) or number != int(number):
+        if isinstance(value, float) and not value.is_integer():
             raise NemesisError(f"{where}.count must be a whole number (got {value!r})")
-        return int(number)
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise NemesisError(f"{where}.{key} must be a number (got {value!r})") from None
+        return int(value)
+    return float(value)
 
 
 def shortcut(kinds: str) -> tuple[NemesisSpec, ...]:
