@@ -5,15 +5,20 @@ Reading. The first run directory must hold `spec.json`, `run.json`, `enqueues.cs
 optional (absent or empty: no fault ran). Further directories add their `deliveries/*.csv`,
 `workers/*.csv` and `nemesis.jsonl` (targets and workers on other machines), and may hold an
 `enqueues.csv` (producers on other machines). The CSV logs are read by their header's column
-names (`reports.history`): columns the checker does not read are ignored, and a file cut off
-mid-line makes the answer "unknown" rather than judging half a history. A malformed line (a
-wrong number of fields, a number column that holds something else, JSON that is not an
-object in nemesis.jsonl), a first line that is no header, a header without a column the
-checker needs, or a record without its required values is bad input (`HistoryError`, naming
-the file and line). When run.json records `final_jobs` (the rows the runner's snapshot had)
-and `final_jobs.csv` holds a different number, the answer is "unknown"; an acknowledged job
-with no final row is a state mismatch when the snapshot is known to be whole, else it makes
-the answer "unknown".
+names (`reports.history`): columns the checker does not read are ignored. A history that
+cannot be trusted is never judged: it is bad input (`HistoryError`, one line naming the file,
+and the line where there is one) when a directory is given twice (or one log through two
+paths), a file is missing, unreadable or not a regular file, no directory holds a delivery
+log, a line is malformed (a wrong number of fields, a number column that holds something
+else, an infinite number or a negative time, JSON that is not an object in nemesis.jsonl),
+a complete line holds a NUL byte, the first line is no header, a header lacks a column the
+checker needs, a record lacks its required values, or run.json's settings have the wrong
+type or are not finite. A log cut off mid-line (or empty, so cut off before its header) is
+judged on its whole lines and makes the answer "unknown", and the violations its lost tail
+may have caused are counted but not reported (`_CUT_MAY_CAUSE`). When run.json records
+`final_jobs` (the rows the runner's snapshot had) and `final_jobs.csv` holds a different
+number, the answer is "unknown"; an acknowledged job with no final row is a state mismatch
+when the snapshot is known to be whole, else it makes the answer "unknown".
 
 Judging. Each job's oracle (`reports.oracle`) comes from its enqueue (script, max_attempts,
 account) and the run's configuration; the target's log says what was really delivered. The
@@ -36,6 +41,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -117,6 +123,9 @@ _LASTING_FAULTS = frozenset({"pause_worker", "hang_target", "kill_target", "rest
 # while its answer never reached the worker (held past the timeout, or lost with the process).
 _TARGET_FAULTS = frozenset({"hang_target", "kill_target"})
 _KNOWN_FAULTS = frozenset(_WORKER_FAULTS | _DATABASE_FAULTS | _TARGET_FAULTS | {"pin_xmin"})
+# The oracle walks a job's attempts one by one: a larger max_attempts is no run's, and would
+# hold the checker for hours.
+_MAX_ATTEMPTS = 1_000_000
 
 Valid = bool | Literal["unknown"]
 
@@ -331,6 +340,7 @@ class _Part:
     nested: dict[str, pa.ChunkedArray | list[Any]]
     header_lines: int  # lines before the first record
     lines: list[int] | None = None  # line of each row, when blank lines were skipped
+    empty: bool = False  # a CSV log of no bytes at all: cut off before its header
 
 
 def _parse_json_slow(path: Path, data: bytes) -> tuple[list[dict[str, Any]], list[int]]:
@@ -345,6 +355,9 @@ def _parse_json_slow(path: Path, data: bytes) -> tuple[list[dict[str, Any]], lis
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
             raise HistoryError(f"{path}:{number} is not valid JSON ({msg})") from None
+        except RecursionError:
+            raise HistoryError(f"{path}:{number} is nested too deeply to be a fault event") \
+                from None
         if not isinstance(value, dict):
             raise HistoryError(f"{path}:{number} is not a JSON object")
         rows.append(value)
@@ -499,21 +512,46 @@ def _read_jsonl(data: bytes, source: _Source) -> pa.Table | None:
     return table if table.num_rows == data.count(b"\n") else None
 
 
+def _map(path: Path) -> bytes | mmap.mmap:
+    """The bytes of a history file, mapped rather than read: Arrow parses the CSV logs where
+    they lie in the page cache, without a copy of each file."""
+    try:
+        with path.open("rb") as fh:
+            if not os.fstat(fh.fileno()).st_size:
+                return b""
+            return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as exc:
+        raise HistoryError(f"{path} cannot be read ({exc.strerror or exc})") from None
+
+
+def _refuse_nul(path: Path, data: bytes | mmap.mmap, end: int) -> None:
+    """A HistoryError naming the first whole line that holds a NUL byte (a memchr over the
+    file: cheap next to parsing it). Nothing a run records holds one (job ids, headers and
+    database errors cannot), so a NUL is damage done after the writing: a crash that
+    zero-filled a block, a bad copy. A NUL in a cut last line is part of what was cut."""
+    at = data.find(b"\x00", 0, end)
+    if at >= 0:
+        line = data[:at].count(b"\n") + 1
+        raise HistoryError(f"{path}:{line} holds a NUL byte, which a run never records: the "
+                           "file is damaged; judge an undamaged copy")
+
+
 def _read_part(path: Path, source: _Source) -> _Part:
     cache = columnar.lookup(path, (source.schema,))
     if cache.table is not None:
         return _arrow_part(path, _shaped(cache.table, source), False, source)
-    data: bytes | mmap.mmap = b""
-    with path.open("rb") as fh:
-        if os.fstat(fh.fileno()).st_size:
-            # Mapped rather than read: Arrow parses the CSV logs where they lie in the page
-            # cache, without a copy of each file.
-            data = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    data = _map(path)
     # A file cut off mid-write is judged on its complete lines, and the answer is "unknown".
+    # So is an empty CSV log: every writer writes the header first, so an empty one was cut
+    # off before it (a process that died between creating its log and writing to it).
     end = data.rfind(b"\n") + 1
-    truncated = end < len(data)
+    empty = not len(data) and source.log is not None
+    truncated = end < len(data) or empty
+    _refuse_nul(path, data, end)
     if not end:
-        return _arrow_part(path, source.shape.empty_table(), truncated, source)
+        part = _arrow_part(path, source.shape.empty_table(), truncated, source)
+        part.empty = empty
+        return part
     # Blank lines or two records on a line make Arrow's rows differ from the lines: such a
     # file, or one Arrow cannot parse, is read line by line, to name the line at fault.
     names = None if source.log is None else _csv_header(path, data, source)
@@ -557,8 +595,10 @@ class _Table:
             offset -= count
         return "?"
 
-    def number(self, key: str, what: str, *, required: bool) -> np.ndarray:
-        """A float64 column, NaN for null; a value that is not a number is bad input."""
+    def number(self, key: str, what: str, *, required: bool, time: bool = False) -> np.ndarray:
+        """A float64 column, NaN for null; a value that is not a number is bad input, and so
+        is an infinite one (no writer writes one) and, for a `time` (seconds since the
+        epoch), a negative one."""
         values = self.columns[key]
         array: np.ndarray
         if values.dtype == np.float64:
@@ -573,6 +613,8 @@ class _Table:
         if required and np.isnan(array).any():
             row = int(np.flatnonzero(np.isnan(array))[0])
             raise HistoryError(f"{self.where(row)}: {what} field {key} is not a number")
+        _refuse_out_of_range(array, lambda row: f"{self.where(row)}: {what} field {key}",
+                             time=time)
         return array
 
     def require_str(self, key: str, what: str) -> None:
@@ -588,6 +630,40 @@ class _Table:
                             if type(v) is not str or not v], dtype=np.int64)
         if len(bad):
             raise HistoryError(f"{self.where(int(bad[0]))}: {what} has no {key}")
+
+
+def _refuse_out_of_range(array: np.ndarray, where: Callable[[int], str], *,
+                        time: bool) -> None:
+    """A HistoryError for the first infinite value of `array` (NaN is null), or for a `time`
+    the first negative one: no writer writes either, and judging with them would make up
+    anomalies."""
+    bad = np.isinf(array)
+    if time:
+        bad |= array < 0
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        want = "a time (seconds since the epoch, not negative)" if time else "a finite number"
+        raise HistoryError(f"{where(row)} is {float(array[row])!r}, not {want}")
+
+
+def _refuse_bad_times(table: _Table, nested: _Nested, names: Sequence[str], what: str) -> None:
+    """`_refuse_out_of_range` for the times held in a nested column (a worker event's own
+    fields): the judge reads them only for the few events that explain something, but a bad
+    one must not be judged at all."""
+    # `starts` has one entry even without parts.
+    for part, start in zip(nested.parts, nested.starts.tolist(), strict=False):
+        for name in names:
+            if isinstance(part, list):
+                values = _floats(np.array([_data(v).get(name) for v in part], dtype=object))
+            elif part.type.get_field_index(name) >= 0:
+                values = pc.struct_field(part, name).to_numpy(zero_copy_only=False)
+            else:
+                continue
+
+            def where(row: int, at: int = start, field: str = name) -> str:
+                return f"{table.where(at + row)}: {what} field {field}"
+
+            _refuse_out_of_range(np.asarray(values, dtype=np.float64), where, time=True)
 
 
 def _table(parts: Sequence[_Part], schema: pa.Schema) -> _Table:
@@ -685,15 +761,41 @@ class RunConfig:
     durable: bool | None = None
 
 
-def _durability(raw: dict[str, Any], spec: dict[str, Any]) -> bool | None:
-    """run.json's `durable`, else spec.json's `postgres.harness.durable`, else None."""
-    if isinstance(raw.get("durable"), bool):
+def _durability(raw: dict[str, Any], spec: dict[str, Any], path: Path) -> bool | None:
+    """run.json's `durable`, else spec.json's `postgres.harness.durable`, else None. A value
+    there that is not true, false or null is bad input: guessed, it would change what a
+    server restart explains."""
+    if raw.get("durable") is not None:
+        if not isinstance(raw["durable"], bool):
+            raise HistoryError(f"{path}: durable must be true, false or null")
         return bool(raw["durable"])
     postgres = spec.get("postgres")
     harness = postgres.get("harness") if isinstance(postgres, dict) else None
-    if isinstance(harness, dict) and isinstance(harness.get("durable"), bool):
+    if isinstance(harness, dict) and harness.get("durable") is not None:
+        if not isinstance(harness["durable"], bool):
+            raise HistoryError(f"{path.with_name(SPEC_FILE)}: postgres.harness.durable must be "
+                               "true, false or null")
         return bool(harness["durable"])
     return None
+
+
+def _seconds(path: Path, raw: dict[str, Any], key: str) -> float:
+    """A setting of run.json that is a number of seconds (or a fraction): a JSON number
+    that is finite, else bad input."""
+    value = raw[key]
+    number = math.nan
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer too large for a float
+            number = math.inf
+    if not math.isfinite(number):
+        raise HistoryError(f"{path}: {key} must be a finite number, not {value!r:.40}")
+    return number
+
+
+# A limit no account reaches (float64 holds every integer up to it exactly).
+_MAX_LIMIT = 2**53
 
 
 def _run_config(path: Path, spec: dict[str, Any] | None = None) -> RunConfig:
@@ -705,42 +807,110 @@ def _run_config(path: Path, spec: dict[str, Any] | None = None) -> RunConfig:
         raise HistoryError(f"{path} lacks {', '.join(missing)}")
     if not isinstance(raw["drained"], bool):
         raise HistoryError(f"{path}: drained must be true or false")
+    timeout = _seconds(path, raw, "http_timeout_seconds")
+    lease = _seconds(path, raw, "lease_seconds")
     try:
         retry = RetryPolicy(
-            base_seconds=float(raw["retry_base_seconds"]),
-            cap_seconds=float(raw["retry_cap_seconds"]),
-            jitter=float(raw["retry_jitter"]),
+            base_seconds=_seconds(path, raw, "retry_base_seconds"),
+            cap_seconds=_seconds(path, raw, "retry_cap_seconds"),
+            jitter=_seconds(path, raw, "retry_jitter"),
         )
-        timeout = float(raw["http_timeout_seconds"])
-        lease = float(raw["lease_seconds"])
     except (TypeError, ValueError) as exc:
         raise HistoryError(f"{path}: bad retry or timing setting ({exc})") from None
     if not (timeout > 0 and lease > 0):
         raise HistoryError(f"{path}: http_timeout_seconds and lease_seconds must be positive")
     limits = raw["account_limits"]
     if not isinstance(limits, dict) or not all(
-        v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+        v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_LIMIT)
         for v in limits.values()
     ):
-        raise HistoryError(f"{path}: account_limits must map accounts to an integer or null")
+        raise HistoryError(f"{path}: account_limits must map accounts to an integer "
+                           f"(0 to 2**53) or null")
+    exit_reason = raw.get("exit_reason", "completed")
+    if not isinstance(exit_reason, str):
+        raise HistoryError(f"{path}: exit_reason must be a string")
     final_jobs = raw.get("final_jobs")
     if final_jobs is not None and (not isinstance(final_jobs, int) or isinstance(final_jobs, bool)
                                    or final_jobs < 0):
         raise HistoryError(f"{path}: final_jobs must be a row count or null")
     return RunConfig(
         drained=raw["drained"],
-        exit_reason=str(raw.get("exit_reason", "completed")),
+        exit_reason=exit_reason,
         http_timeout_seconds=timeout,
         lease_seconds=lease,
         retry=retry,
         account_limits={str(k): v for k, v in limits.items()},
         final_jobs=final_jobs,
-        durable=_durability(raw, spec or {}),
+        durable=_durability(raw, spec or {}, path),
     )
 
 
+def _file_type(path: Path) -> int | None:
+    """The file type bits of what `path` leads to (symbolic links followed), None when
+    nothing is there; a HistoryError when it cannot be looked at or is a broken link."""
+    try:
+        return stat.S_IFMT(path.stat().st_mode)
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise HistoryError(f"{path} is a symbolic link to nothing: point it at the file "
+                               "or remove it") from None
+        return None
+    except OSError as exc:
+        raise HistoryError(f"{path} cannot be read ({exc.strerror or exc})") from None
+
+
+def _is_file(path: Path) -> bool:
+    """Whether a history file is there: True for a regular file, False for nothing; a
+    HistoryError for anything else (a directory, a FIFO, a device would block or mislead
+    the reader)."""
+    kind = _file_type(path)
+    if kind is None:
+        return False
+    if kind != stat.S_IFREG:
+        what = "a directory" if kind == stat.S_IFDIR else "not a regular file"
+        raise HistoryError(f"{path} is {what}: a history file must be a regular file")
+    return True
+
+
+def _is_dir(path: Path) -> bool:
+    kind = _file_type(path)
+    if kind is None:
+        return False
+    if kind != stat.S_IFDIR:
+        raise HistoryError(f"{path} is not a directory")
+    return True
+
+
 def _log_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.glob("*" + LOG_SUFFIX) if p.is_file())
+    """The `*.csv` logs of a `deliveries/` or `workers/` directory (none when it is absent);
+    every one must be a regular file, so that no log is skipped without a word."""
+    if not _is_dir(directory):
+        return []
+    try:
+        names = sorted(entry.name for entry in os.scandir(directory))
+    except OSError as exc:
+        raise HistoryError(f"{directory}/ cannot be listed ({exc.strerror or exc})") from None
+    paths = [directory / name for name in names if name.endswith(LOG_SUFFIX)]
+    for path in paths:
+        _is_file(path)
+    return paths
+
+
+def _refuse_repeats(paths: Sequence[Path], what: str, kind: str) -> None:
+    """A HistoryError when two of `paths` are one file or directory (the same path written
+    twice, with a trailing slash, through a symbolic link or a hard link): its records
+    would be judged twice, as hundreds of duplicates."""
+    seen: dict[tuple[int, int], Path] = {}
+    for path in paths:
+        try:
+            st = path.stat()
+        except OSError as exc:
+            raise HistoryError(f"{path} cannot be read ({exc.strerror or exc})") from None
+        first = seen.setdefault((st.st_dev, st.st_ino), path)
+        if first is not path:
+            same = (str(path) if os.path.normpath(path) == os.path.normpath(first)
+                    else f"{path} is the same {kind} as {first}")
+            raise HistoryError(f"{what} given twice: {same}; give each once")
 
 
 @dataclass
@@ -758,7 +928,8 @@ class _History:
     faults: list[dict[str, Any]]
     final: pd.DataFrame
     files: list[str]
-    truncated: list[str]
+    truncated: list[str]  # why each file cut off is: "<path> is truncated mid-line"
+    cut: dict[str, str]  # each file cut off -> the kind of log it is (its file or directory)
     worker_files: int
 
 
@@ -784,44 +955,57 @@ def _load(run_dirs: Sequence[Path]) -> _History:
         raise HistoryError("no run directory given")
     dirs = [Path(d) for d in run_dirs]
     for d in dirs:
-        if not d.is_dir():
+        if not _is_dir(d):
             raise HistoryError(f"{d} is not a directory")
+    _refuse_repeats(dirs, "RUN_DIR", "directory")
     main = dirs[0]
     for name in (SPEC_FILE, RUN_FILE, ENQUEUES_FILE, FINAL_JOBS_FILE):
-        if not (main / name).is_file():
+        if not _is_file(main / name):
             raise HistoryError(f"{main / name} is missing (the first directory holds the run)")
     for name in (DELIVERIES_DIR, WORKERS_DIR):
-        if not (main / name).is_dir():
+        if not _is_dir(main / name):
             raise HistoryError(f"{main / name}/ is missing")
     for d in dirs[1:]:
-        if not ((d / DELIVERIES_DIR).is_dir() or (d / WORKERS_DIR).is_dir()
-                or (d / ENQUEUES_FILE).is_file()):
+        if not (_is_dir(d / DELIVERIES_DIR) or _is_dir(d / WORKERS_DIR)
+                or _is_file(d / ENQUEUES_FILE)):
             raise HistoryError(f"{d} holds none of {DELIVERIES_DIR}/, {WORKERS_DIR}/, "
                                f"{ENQUEUES_FILE}")
 
     spec = read_json(main / SPEC_FILE)
     config = _run_config(main / RUN_FILE, spec)
-    delivery_files = [p for d in dirs if (d / DELIVERIES_DIR).is_dir()
-                      for p in _log_files(d / DELIVERIES_DIR)]
-    worker_files = [p for d in dirs if (d / WORKERS_DIR).is_dir()
-                    for p in _log_files(d / WORKERS_DIR)]
-    nemesis_files = [d / NEMESIS_FILE for d in dirs if (d / NEMESIS_FILE).is_file()]
+    delivery_files = [p for d in dirs for p in _log_files(d / DELIVERIES_DIR)]
+    if not delivery_files:
+        # Every echo target writes its log's header when it starts: without one, every job
+        # would look lost.
+        raise HistoryError(f"{main / DELIVERIES_DIR}/ holds no delivery log (*{LOG_SUFFIX}), "
+                           "nor does any other directory given: give the directory the echo "
+                           "target wrote to")
+    worker_files = [p for d in dirs for p in _log_files(d / WORKERS_DIR)]
+    nemesis_files = [d / NEMESIS_FILE for d in dirs if _is_file(d / NEMESIS_FILE)]
     # Producers on other machines write their own enqueues.csv: merged like the rest.
     enqueue_files = [main / ENQUEUES_FILE,
-                     *(d / ENQUEUES_FILE for d in dirs[1:] if (d / ENQUEUES_FILE).is_file())]
-    kinds: list[tuple[list[Path], _Source]] = [
-        (enqueue_files, _ENQUEUES),
-        (delivery_files, _DELIVERIES),
-        (worker_files, _EVENTS),
-        (nemesis_files, _FAULTS),
-        ([main / FINAL_JOBS_FILE], _FINAL),
+                     *(d / ENQUEUES_FILE for d in dirs[1:] if _is_file(d / ENQUEUES_FILE))]
+    kinds: list[tuple[str, list[Path], _Source]] = [
+        (ENQUEUES_FILE, enqueue_files, _ENQUEUES),
+        (DELIVERIES_DIR, delivery_files, _DELIVERIES),
+        (WORKERS_DIR, worker_files, _EVENTS),
+        (NEMESIS_FILE, nemesis_files, _FAULTS),
+        (FINAL_JOBS_FILE, [main / FINAL_JOBS_FILE], _FINAL),
     ]
-    read = _read_parts([(p, source) for paths, source in kinds for p in paths])
+    _refuse_repeats([p for _, paths, _ in kinds for p in paths], "a log", "file")
+    read = _read_parts([(p, source) for _, paths, source in kinds for p in paths])
     files = [str(main / SPEC_FILE), str(main / RUN_FILE), *(str(p.path) for p in read)]
-    truncated = [str(p.path) for p in read if p.truncated]
     parts = iter(read)
-    enq, dl, ev, nem, fin = (_table([next(parts) for _ in paths], source.shape)
-                             for paths, source in kinds)
+    cut: dict[str, str] = {}  # file cut off -> its kind of log
+    read_tables: list[_Table] = []
+    for kind_name, paths, source in kinds:
+        mine = [next(parts) for _ in paths]
+        cut.update((str(p.path), kind_name) for p in mine if p.truncated)
+        read_tables.append(_table(mine, source.shape))
+    truncated = [str(p.path) + (" is empty: it was cut off before its header" if p.empty
+                                else " is truncated mid-line")
+                 for p in read if p.truncated]
+    enq, dl, ev, nem, fin = read_tables
 
     # Enqueues: the job universe and each job's oracle inputs.
     enq.require_str("type", "enqueue")
@@ -866,10 +1050,11 @@ def _load(run_dirs: Sequence[Path]) -> _History:
         return cast(np.ndarray, out)
 
     max_attempts_all = enq.number("max_attempts", "enqueue", required=False)[invoke_rows]
-    bad_max = np.flatnonzero(~(max_attempts_all >= 1) | (max_attempts_all % 1 != 0))
+    bad_max = np.flatnonzero(~(max_attempts_all >= 1) | (max_attempts_all % 1 != 0)
+                             | (max_attempts_all > _MAX_ATTEMPTS))
     if len(bad_max):
         raise HistoryError(f"{enq.where(int(invoke_rows[bad_max[0]]))}: invoke needs "
-                           "max_attempts >= 1")
+                           f"max_attempts >= 1 (a whole number, at most {_MAX_ATTEMPTS})")
     max_attempts_raw = max_attempts_all.astype(np.int64)
     script_codes, script_values = _script_codes(enq, invoke_rows)
     scripts: list[tuple[Any, dict[str, Any] | None]] = []
@@ -905,8 +1090,8 @@ def _load(run_dirs: Sequence[Path]) -> _History:
         "account": pd.Series(dl.columns["account"], dtype=object),
         "worker": pd.Series(dl.columns["worker"], dtype=object),
         "target": pd.Series(dl.columns["target"], dtype=object),
-        "received": dl.number("received", "delivery", required=True),
-        "answered": dl.number("answered", "delivery", required=False),
+        "received": dl.number("received", "delivery", required=True, time=True),
+        "answered": dl.number("answered", "delivery", required=False, time=True),
         "status": dl.number("status", "delivery", required=False),
         "behaviour": pd.Series(dl.columns["behaviour"], dtype=object),
     })
@@ -928,19 +1113,20 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     events = pd.DataFrame({
         "kind": kind,
         "worker": pd.Series(ev.columns["worker"], dtype=object),
-        "time": ev.number("time", "worker event", required=True),
+        "time": ev.number("time", "worker event", required=True, time=True),
         "job": job_of_id[ev_ids],
         "attempt": ev.number("attempt", "worker event", required=False),
         "result": pd.Series(result, dtype=object),
     })
     event_data = ev.nested["data"]
+    _refuse_bad_times(ev, event_data, ("end", "started"), "worker event")
     del ev
 
     # Faults: optional; every directory may hold some.
     faults: list[dict[str, Any]] = []
     if len(nem.columns["fault"]):
-        starts = nem.number("start", "fault", required=True)
-        ends = nem.number("end", "fault", required=False)
+        starts = nem.number("start", "fault", required=True, time=True)
+        ends = nem.number("end", "fault", required=False, time=True)
         attempts = nem.number("attempt", "fault", required=False)
         for row, kind in enumerate(nem.columns["fault"]):
             if kind not in _KNOWN_FAULTS:
@@ -985,6 +1171,7 @@ def _load(run_dirs: Sequence[Path]) -> _History:
         event_data=event_data,
         files=files,
         truncated=truncated,
+        cut=cut,
         worker_files=len(worker_files),
     )
 
@@ -1341,7 +1528,7 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
         key, raw = h.scripts[int(s)]
         try:
             script = script_from_payload(raw)
-        except (KeyError, ValueError, TypeError) as exc:
+        except (KeyError, ValueError, TypeError, OverflowError) as exc:
             job_id = h.job_ids[int(idx[0])]
             raise HistoryError(f"enqueue of job {job_id}: unreadable script ({exc})") from None
         oracle = cache.get(repr(key), script, int(m))
@@ -1914,24 +2101,69 @@ def _check_limits(h: _History, d: pd.DataFrame, job: np.ndarray, attempt: np.nda
     return excused_count, excused
 
 
+# What the lost tail of a log cut off mid-line (or cut before its header) may have held, and
+# so the violations it may cause, which a history with such a log does not report:
+# - enqueues.csv: invokes (their deliveries look unexpected) and acknowledgements;
+# - deliveries/: deliveries, answered or not (a delivery never answered is written when the
+#   target gives up on it, so it may be older than records before it): jobs look lost,
+#   final states unexplained, and redeliveries are paired and counted without it;
+# - workers/: claims, renewals, call ends, failpoints, lost writes, error stops: what
+#   explains a redelivery, and which lease held a slot; only stale writes (an applied write
+#   after a later claim, both recorded) and stuck jobs stand;
+# - nemesis.jsonl: faults, which explain redeliveries and dead letters;
+# - final_jobs.csv: final states.
+# `unexpected` and `lost` are never reported from a cut history.
+_CUT_MAY_CAUSE: dict[str, frozenset[str]] = {
+    ENQUEUES_FILE: frozenset({"unexpected", "lost"}),
+    DELIVERIES_DIR: frozenset({"unexpected", "lost", "state_mismatch", "duplicate_unexplained",
+                               "early_retry", "attempts_exceeded"}),
+    WORKERS_DIR: frozenset(VIOLATION_KEYS) - {"stale_write", "stuck"},
+    NEMESIS_FILE: frozenset(VIOLATION_KEYS) - {"stale_write", "stuck", "limit_exceeded"},
+    FINAL_JOBS_FILE: frozenset({"unexpected", "lost", "state_mismatch"}),
+}
+
+
+def _unjudged_kinds(history: _History, enqueued_jobs: int) -> frozenset[str]:
+    """The violation kinds not reported from this history: those a cut log may cause, and
+    every kind when nothing was enqueued (the deliveries' enqueues may be elsewhere)."""
+    if not enqueued_jobs:
+        return frozenset(VIOLATION_KEYS)
+    return frozenset().union(*(_CUT_MAY_CAUSE[kind] for kind in history.cut.values()))
+
+
 def check_run(run_dirs: Sequence[Path], *,
               tolerance_seconds: float = DEFAULT_TOLERANCE_SECONDS) -> Verdict:
     """Judge the run recorded in `run_dirs` (the first holds the run; the others add
-    delivery, worker and fault logs). Raises HistoryError when the history cannot be read."""
+    delivery, worker and fault logs). Raises HistoryError when the history cannot be read,
+    ValueError for a tolerance that is negative or not finite (it would excuse or invent
+    anomalies)."""
+    if not (math.isfinite(tolerance_seconds) and tolerance_seconds >= 0):
+        raise ValueError(f"tolerance_seconds must be finite and >= 0, not {tolerance_seconds}")
     started, cpu_started = time.perf_counter(), time.process_time()
     history = _load(run_dirs)
     loaded, cpu_loaded = time.perf_counter(), time.process_time()
     found, unknown, details = _judge(history, tolerance_seconds)
     judged, cpu_judged = time.perf_counter(), time.process_time()
-    for path in history.truncated:
-        unknown.append(f"{path} is truncated mid-line")
+    unknown.extend(history.truncated)
     if history.config.exit_reason != "completed":
         unknown.append(f"the run ended with {history.config.exit_reason!r}")
     if found.counts["delivered"] and not len(history.events):
         unknown.append("deliveries were recorded but no worker events: nothing can explain a "
                        "redelivery")
+    # Violations win over unknown, except those a part of the history that is missing may
+    # have caused: they are counted, and not reported as violations.
+    unjudged = _unjudged_kinds(history, len(history.job_ids))
+    held = {k: found.counts[k] for k in VIOLATION_KEYS if found.counts[k] > 0 and k in unjudged}
+    if held:
+        cut = list(history.cut)
+        why = ("nothing was enqueued (its enqueues.csv may be in a directory not given)"
+               if not len(history.job_ids) else
+               f"{', '.join(cut[:3])}{' ...' if len(cut) > 3 else ''} was cut off and may "
+               "have lost the records that decide them")
+        unknown.append(f"not judged: {', '.join(f'{n} {k}' for k, n in held.items())}: {why}")
+        details["not_judged"] = held
     valid: Valid
-    if any(found.counts[k] > 0 for k in VIOLATION_KEYS):
+    if any(found.counts[k] > 0 for k in VIOLATION_KEYS if k not in held):
         valid = False
     elif unknown:
         valid = "unknown"

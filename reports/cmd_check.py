@@ -1,15 +1,19 @@
 """`skiplock check RUN_DIR [RUN_DIR...]`: judge recorded runs from their history alone.
 
-Exit codes: 0 valid, 1 a guarantee violated, 2 bad input (one line naming the file and what is
-wrong), 3 unknown (the history cannot decide: a log cut off mid-line, a drain that timed
-out), 4 harness failure. This module prints its own one-line errors so that `reports` needs
-nothing from the runner's packages.
+Exit codes: 0 valid, 1 a guarantee violated, 2 bad input (one line naming the file or flag
+and what is wrong), 3 unknown (the history cannot decide: a log cut off mid-line, a drain
+that timed out), 4 harness failure. `run` is the one place that maps what went wrong to an
+exit code, and it prints one line to stderr, never a traceback: CI reads the exit code, and
+1 must mean a guarantee violated in a complete history and nothing else. This module prints
+its own one-line errors so that `reports` needs nothing from the runner's packages.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import warnings
 from pathlib import Path
 
 from rich.console import Console
@@ -23,7 +27,7 @@ from reports.checker import (
     check_run,
     write_verdict,
 )
-from reports.history import HistoryError
+from reports.history import VERDICT_FILE, HistoryError
 
 EXIT_BAD_INPUT = 2
 EXIT_HARNESS = 4
@@ -59,15 +63,19 @@ def render(verdict: Verdict, path: Path, console: Console, examples: int = 3) ->
     table = Table(title="skiplock check", show_header=True, header_style="bold")
     table.add_column("count")
     table.add_column("value", justify="right")
+    # Counts the history cannot decide (a log cut off) are shown, but not as violations.
+    not_judged = verdict.details.get("not_judged") or {}
     for key in COUNT_KEYS:
         value = verdict.counts.get(key, 0)
         bad = key in VIOLATION_KEYS and value > 0
-        style = "bold red" if bad else ("dim" if value == 0 else "")
+        style = ("yellow" if key in not_judged else "bold red") if bad else (
+            "dim" if value == 0 else "")
         table.add_row(key, str(value), style=style)
     console.print(table)
     for kind, items in verdict.examples.items():
+        label = f"{kind} (not judged)" if kind in not_judged else kind
         for item in items[: max(examples, 0)]:
-            console.print(f"  {kind}: {item['job_id']}: {item['why']}", markup=False,
+            console.print(f"  {label}: {item['job_id']}: {item['why']}", markup=False,
                           highlight=False, soft_wrap=True)
     for reason in verdict.unknown_reasons:
         console.print(f"  unknown: {reason}", markup=False, highlight=False, soft_wrap=True)
@@ -85,22 +93,51 @@ def render(verdict: Verdict, path: Path, console: Console, examples: int = 3) ->
     )
 
 
+def _bad_flag(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags, as one line, or None."""
+    tolerance = args.tolerance
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        return (f"--tolerance must be a finite number of seconds >= 0, not {tolerance:g} "
+                f"(default {DEFAULT_TOLERANCE_SECONDS:g})")
+    if args.examples < 1:
+        return f"--examples must be a whole number >= 1, not {args.examples}"
+    return None
+
+
+def _fail(message: str, code: int) -> int:
+    prefix = "skiplock: harness failure: check: " if code == EXIT_HARNESS else "skiplock: check: "
+    print(prefix + _one_line(message), file=sys.stderr)
+    return code
+
+
 def run(args: argparse.Namespace) -> int:
     run_dirs: list[Path] = list(args.run_dirs)
-    if args.tolerance < 0:
-        print("skiplock: check: --tolerance must be >= 0", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    bad = _bad_flag(args)
+    if bad is not None:
+        return _fail(bad, EXIT_BAD_INPUT)
     try:
-        verdict = check_run(run_dirs, tolerance_seconds=args.tolerance)
-        path = write_verdict(run_dirs[0], verdict)
+        # Arithmetic on odd but well-formed values (an attempt header past 2**63) may warn;
+        # stderr carries one line or nothing.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            verdict = check_run(run_dirs, tolerance_seconds=args.tolerance)
     except HistoryError as exc:
-        print(f"skiplock: check: {_one_line(str(exc))}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _fail(str(exc), EXIT_BAD_INPUT)
     except KeyboardInterrupt:
         raise
+    except OSError as exc:
+        # The reader names the files it cannot read; this is what it did not foresee.
+        if exc.filename is not None:
+            return _fail(f"{exc.filename} cannot be read ({exc.strerror or exc})",
+                         EXIT_BAD_INPUT)
+        return _fail(f"{type(exc).__name__}: {exc}", EXIT_HARNESS)
     except Exception as exc:
-        print(f"skiplock: harness failure: check: {type(exc).__name__}: {_one_line(str(exc))}",
-              file=sys.stderr)
-        return EXIT_HARNESS
+        return _fail(f"{type(exc).__name__}: {exc}", EXIT_HARNESS)
+    try:
+        path = write_verdict(run_dirs[0], verdict)
+    except OSError as exc:
+        return _fail(f"cannot write {run_dirs[0] / VERDICT_FILE} ({exc.strerror or exc}): "
+                     "make the run directory writable, or check a copy of it",
+                     EXIT_BAD_INPUT)
     render(verdict, path, Console(), examples=args.examples)
     return verdict.exit_code

@@ -11,9 +11,9 @@ file's path in the run directory: `RUN_DIR/workers/worker-0.csv` is cached as
 A cache file is used only when the size and modification time it records are those of the
 source file now, and it was written by this format version for the same candidate schemas;
 otherwise it is ignored and rewritten. A file that was cut off mid-line, read line by line,
-or still being written is never cached. The cache cannot make a check fail: a cache that
-cannot be read is a miss, and one that cannot be written (read-only directory, full disk)
-is skipped with one debug log line.
+holding a NUL byte (the checker refuses it), or still being written is never cached. The
+cache cannot make a check fail: a cache that cannot be read is a miss, and one that cannot
+be written (read-only directory, full disk) is skipped with one debug log line.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from reports.history import DELIVERIES_DIR, WORKERS_DIR
 CACHE_DIR = ".cache"
 SUFFIX = ".arrow"
 # Bump when what is cached, or how, changes: older cache files then count as misses.
-FORMAT_VERSION = 1
+# 2: only files without a NUL byte are cached (the checker refuses one; a cache hit skips it).
+FORMAT_VERSION = 2
 # A file modified this recently before it was read is not cached: a second change within
 # the file system's timestamp granularity (up to 2 s on some) could keep size and mtime.
 RACY_SECONDS = 2.0

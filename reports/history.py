@@ -338,6 +338,11 @@ def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
                 value = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise HistoryError(f"{path}:{number} is not valid JSON ({exc.msg})") from None
+            except UnicodeDecodeError:
+                raise HistoryError(f"{path}:{number} is not UTF-8") from None
+            except RecursionError:
+                raise HistoryError(f"{path}:{number} is nested too deeply to be JSON a run "
+                                   "wrote") from None
             if not isinstance(value, dict):
                 raise HistoryError(f"{path}:{number} is not a JSON object")
             yield value
@@ -673,12 +678,23 @@ def parse_row(path: Path, number: int, line: str, names: Sequence[str],
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise HistoryError(f"{path} is missing")
+    """A JSON object file (spec.json, run.json); a HistoryError naming the file when it is
+    missing, unreadable, not UTF-8, not JSON, nested past what a parser can follow, or not
+    an object."""
     try:
-        value = json.loads(path.read_text())
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise HistoryError(f"{path} is missing") from None
+    except OSError as exc:
+        raise HistoryError(f"{path} cannot be read ({exc.strerror or exc})") from None
+    try:
+        value = json.loads(data.decode())
+    except UnicodeDecodeError:
+        raise HistoryError(f"{path} is not UTF-8") from None
     except json.JSONDecodeError as exc:
         raise HistoryError(f"{path} is not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise HistoryError(f"{path} is nested too deeply to be JSON a run wrote") from None
     if not isinstance(value, dict):
         raise HistoryError(f"{path} is not a JSON object")
     return value
