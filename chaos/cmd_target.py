@@ -1,7 +1,9 @@
 """`skiplock target`: run one duplicate-detecting echo target in the foreground.
 
 It prints its URL once it listens and runs until Ctrl-C or SIGTERM; deliveries still open
-then are recorded as unanswered. Jobs should target `URL/deliver`.
+then are recorded as unanswered. Jobs should target `URL/deliver`. Once it has stopped, it
+exits as every command does: 130 for Ctrl-C, 143 for SIGTERM (it raises the interrupt for
+the CLI to map).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from chaos.target import (
 )
 from reports.history import DELIVERIES_DIR, LOG_SUFFIX, HistoryError
 from scenarios.argtypes import port, positive_float
-from scenarios.errors import UsageError
+from scenarios.errors import Terminated, UsageError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -87,5 +89,10 @@ def run(args: argparse.Namespace) -> int:
             f"cannot listen on {url_for(host, args.port)}: {exc.strerror or exc}; "
             "pick another --port, or 0 for a free one"
         ) from None
-    # Ctrl-C keeps the CLI's convention (130) even though the target stopped cleanly.
-    return 130 if stopped_by == signal.SIGINT else 0
+    # The target has stopped cleanly; the CLI turns these into 130 and 143 like any
+    # interrupted command's.
+    if stopped_by == signal.SIGTERM:
+        raise Terminated()
+    if stopped_by == signal.SIGINT:
+        raise KeyboardInterrupt
+    return 0

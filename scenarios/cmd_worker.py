@@ -2,7 +2,8 @@
 
 Workers are plain processes, so any machine that reaches the database can run more of them
 against the same DSN. On Ctrl-C or SIGTERM every worker stops claiming, finishes or releases
-what it holds, and exits; none is left behind.
+what it holds, and exits; none is left behind. Then the command exits as every command does:
+130 for Ctrl-C, 143 for SIGTERM (it re-raises the interrupt for the CLI to map).
 
 Every check of the command line (values, files, the events directory) comes before the
 database is touched, so bad input leaves neither a schema nor an empty directory behind.
@@ -17,7 +18,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 
 import psycopg
 
@@ -31,7 +31,7 @@ from queue_impl.dispatcher import (
 )
 from queue_impl.plugins import BackendSpec, validate_backend_name
 from reports.history import LOG_SUFFIX
-from scenarios.errors import HarnessError, UsageError
+from scenarios.errors import HarnessError, UsageError, sigterm_as_interrupt
 from scenarios.provision import DSN_ENV, postgres
 from scenarios.workers import WorkerPool
 
@@ -161,14 +161,6 @@ def build_config(args: argparse.Namespace) -> DispatcherConfig:
     return config
 
 
-class _Stop(Exception):
-    """SIGTERM arrived: drain like Ctrl-C."""
-
-
-def _raise_stop(signum: int, frame: FrameType | None) -> None:
-    raise _Stop
-
-
 def run(args: argparse.Namespace) -> int:
     config = build_config(args)
     try:
@@ -183,47 +175,49 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--sql {args.sql}: no such file")
     created = _make_events_dir(args.events_dir)
 
-    interrupted: str | None = None
+    interrupted: KeyboardInterrupt | None = None
     pool: WorkerPool | None = None
-    previous = signal.signal(signal.SIGTERM, _raise_stop)
-    try:
-        with postgres(args.dsn) as server:
-            spec = BackendSpec(
-                name=args.backend, dsn=server.dsn, schema=args.schema, sql_path=args.sql
-            )
-            _setup(spec)
-            pool = WorkerPool(spec, config, args.workers, args.events_dir)
-            try:
-                pool.start()
-                print(
-                    f"skiplock worker: {args.workers} worker(s), backend {spec.display()}, "
-                    f"batch {config.batch}, lease {config.lease_seconds:g}s, "
-                    f"events in {args.events_dir}; Ctrl-C to stop",
-                    file=sys.stderr,
-                    flush=True,
+    # SIGTERM raises `Terminated` (a KeyboardInterrupt) here as under the CLI, so both
+    # signals drain the same way; nested under the CLI's handler, this changes nothing.
+    with sigterm_as_interrupt():
+        previous_sigterm = signal.getsignal(signal.SIGTERM)
+        try:
+            with postgres(args.dsn) as server:
+                spec = BackendSpec(
+                    name=args.backend, dsn=server.dsn, schema=args.schema, sql_path=args.sql
                 )
-                _watch(pool)
-            except (KeyboardInterrupt, _Stop):
-                print("skiplock worker: stopping, draining in-flight jobs", file=sys.stderr)
-                raise
-            finally:
-                # Ignore a second Ctrl-C / SIGTERM while draining: the pool's own deadline
-                # SIGKILLs stragglers, so nothing is left behind either way.
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                _setup(spec)
+                pool = WorkerPool(spec, config, args.workers, args.events_dir)
                 try:
-                    pool.stop()
+                    pool.start()
+                    print(
+                        f"skiplock worker: {args.workers} worker(s), backend {spec.display()}, "
+                        f"batch {config.batch}, lease {config.lease_seconds:g}s, "
+                        f"events in {args.events_dir}; Ctrl-C to stop",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    _watch(pool)
+                except KeyboardInterrupt:
+                    print("skiplock worker: stopping, draining in-flight jobs", file=sys.stderr)
+                    raise
                 finally:
-                    signal.signal(signal.SIGINT, signal.default_int_handler)
-    except KeyboardInterrupt:
-        interrupted = "SIGINT"
-    except _Stop:
-        interrupted = "SIGTERM"
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if pool is None:
-            # Stopped before any worker could write there: leave no empty directory behind.
-            _remove_if_empty(created)
+                    # Ignore a second Ctrl-C / SIGTERM while draining: the pool's own deadline
+                    # SIGKILLs stragglers, so nothing is left behind either way.
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                    try:
+                        pool.stop()
+                    finally:
+                        signal.signal(signal.SIGINT, signal.default_int_handler)
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+        finally:
+            if previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, previous_sigterm)
+            if pool is None:
+                # Stopped before any worker could write there: leave no empty directory.
+                _remove_if_empty(created)
     if pool is not None:
         crashed = [
             f"{worker_id} ({code})"
@@ -233,9 +227,9 @@ def run(args: argparse.Namespace) -> int:
         if crashed:
             raise HarnessError(f"worker(s) exited with an error: {', '.join(crashed)}")
         print("skiplock worker: stopped", file=sys.stderr)
-    if interrupted == "SIGINT":
-        # The CLI's convention for Ctrl-C (exit 130), now that everything is cleaned up.
-        raise KeyboardInterrupt
+    if interrupted is not None:
+        # Everything is cleaned up: the CLI maps Ctrl-C to 130 and SIGTERM to 143.
+        raise interrupted
     return 0
 
 

@@ -3,7 +3,11 @@
 In order: a DSN given (`--dsn`, else `SKIPLOCK_PG_DSN`); else a testcontainers container when
 a Docker engine answers; else an embedded server run from the binaries the `pgserver` package
 ships. A server the harness started is stopped and its data removed when the context exits:
-normally, on error, on Ctrl-C and on SIGTERM.
+normally, on error, on Ctrl-C and on SIGTERM. SIGTERM unwinds as the caller arranged (the
+CLI turns it into `Terminated`, a KeyboardInterrupt, for every command and every server
+source); only a process that would otherwise die of it outright gets that same handling here.
+If the harness is SIGKILLed, the embedded server gets SIGQUIT from the kernel and a small
+remover process deletes its data folder (`scenarios.orphans`).
 
 The embedded server is driven directly (initdb, then `postgres` as a child in its own session)
 rather than through `pgserver.get_server`, so the harness owns its whole lifecycle: a fresh
@@ -30,7 +34,6 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any, Literal, assert_never
 
 import psycopg
@@ -38,8 +41,8 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from queue_impl.plugins import redact
-from scenarios.errors import HarnessError, UsageError
-from scenarios.orphans import die_with_parent
+from scenarios.errors import HarnessError, Terminated, UsageError, sigterm_as_interrupt
+from scenarios.orphans import FolderRemover, die_with_parent, start_folder_remover
 
 DSN_ENV = "SKIPLOCK_PG_DSN"
 
@@ -314,7 +317,8 @@ def _read_pid(path: Path) -> int | None:
 
 def _sweep_stale(tmp: Path) -> None:
     """Remove data directories left by a harness that was SIGKILLed (its server died with
-    it): both the harness and the postmaster recorded there are gone."""
+    it) when its remover could not run (itself SIGKILLed, say): both the harness and the
+    postmaster recorded there are gone."""
     for root in tmp.glob(f"{DATA_PREFIX}*"):
         owner = _read_pid(root / OWNER_FILE)
         if owner is None or _pid_alive(owner):
@@ -345,6 +349,11 @@ class _Embedded(_Control):
         self.root = Path(tempfile.mkdtemp(prefix=DATA_PREFIX))
         (self.root / OWNER_FILE).write_text(str(os.getpid()))
         self.data = self.root / "data"
+        # Deletes the folder (and stops what is left of the server) if this process dies
+        # without closing it; closed last in `close`.
+        self.remover: FolderRemover | None = start_folder_remover(
+            self.root, self.data / "postmaster.pid"
+        )
         self.log_path = self.root / "postgres.log"
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
@@ -491,6 +500,9 @@ class _Embedded(_Control):
             self._stop_process("fast")
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+            remover, self.remover = self.remover, None
+            if remover is not None:
+                remover.close()
 
 
 def _start_embedded(*, durable: bool, settings: Mapping[str, str]) -> _Embedded:
@@ -563,28 +575,17 @@ class _Docker(_Control):
 
 
 @contextmanager
-def _exit_on_sigterm() -> Iterator[None]:
-    """Turn SIGTERM into SystemExit while a server is owned, so `finally` blocks stop it.
-    Only the main thread can install handlers; elsewhere the caller's own handling applies."""
-    if threading.current_thread() is not threading.main_thread():
+def _cleanup_on_sigterm() -> Iterator[None]:
+    """While a server is owned, a process that would die of SIGTERM outright (the default
+    disposition: no handler) raises `Terminated` instead, so `finally` blocks stop the server
+    and remove its data. A handler the caller installed (the CLI's, which every command runs
+    under) or SIG_IGN is left alone: how SIGTERM unwinds is the caller's decision, and must
+    not depend on where the server came from."""
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
-    owner = os.getpid()
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_sigterm(signum: int, frame: FrameType | None) -> None:
-        if os.getpid() != owner:
-            # A forked child inherited this handler: behave as if it had none.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    try:
+    with sigterm_as_interrupt():
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 # --- the entry point ---------------------------------------------------------------------
@@ -612,7 +613,7 @@ def postgres(
         yield PgServer(dsn=given, kind="dsn", owned=False, durable=durable)
         return
     extra = dict(settings or {})
-    with _exit_on_sigterm():
+    with _cleanup_on_sigterm():
         control, kind = _start_owned(source, durable=durable, settings=extra)
         try:
             yield PgServer(
@@ -677,13 +678,18 @@ def fresh_schema(dsn: str, name: str | None = None) -> str:
 
 
 def _main() -> int:
-    """`python -m scenarios.provision`: start a server, print its DSN, wait for Ctrl-C."""
-    with postgres() as server:
-        print(server.dsn, flush=True)
-        print(server.settings(), file=sys.stderr, flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            signal.pause()
-    return 0
+    """`python -m scenarios.provision`: start a server, print its DSN, wait for Ctrl-C or
+    SIGTERM; exits 130 or 143, like every command, once the server is gone."""
+    try:
+        with sigterm_as_interrupt(), postgres() as server:
+            print(server.dsn, flush=True)
+            print(server.settings(), file=sys.stderr, flush=True)
+            while True:
+                signal.pause()
+    except Terminated as exc:
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
