@@ -315,8 +315,8 @@ UNLIMITED = "unlimited"
 
 
 def _valid_keys() -> str:
-    return ", ".join([*SCALAR_KEYS, "accounts.<id>", "mix.<script>", "failpoints.<name>",
-                      "[[nemesis]]"])
+    return ", ".join([*SCALAR_KEYS, "accounts.<id>", "account_mix.<id>", "mix.<script>",
+                      "failpoints.<name>", "[[nemesis]]"])
 
 
 def available() -> list[str]:
