@@ -85,6 +85,9 @@ _FILE_KEYS = frozenset({*FAILPOINT_NAMES, PAUSE_IN_CLAIM, PAUSE_IN_CLAIM_SECONDS
 # The exit status of a process killed by a failpoint, so the pool can tell it from a bug.
 FAILPOINT_EXIT_CODE = 77
 
+# The backend call an `error` event names (see `Dispatcher._call_failed`).
+FailedOp = Literal["recover", "claim", "finish", "renew", "release", "wait"]
+
 HttpResultName = Literal["ok", "http_error", "timeout", "connection_error", "refused"]
 
 # The `reason` of a `release` event for leases given back because too little of them was left.
@@ -258,6 +261,14 @@ class Dispatcher:
     def emit(self, kind: str, **fields: Any) -> None:
         self._sink(kind, fields)
 
+    def _call_failed(self, op: FailedOp, what: str, exc: Exception) -> None:
+        """A call to the backend that raised: one line on stderr, and an `error` event, so
+        the history shows an operation that kept failing (and the checker can say that
+        recovery or claims never ran) rather than only a terminal that scrolled by."""
+        error = f"{type(exc).__name__}: {_one_line(exc)}"
+        _log(f"{self.worker_id}: {what}: {error}")
+        self.emit("error", op=op, error=error)
+
     def request_stop(self, reason: str = "stopped") -> None:
         """Stop claiming; in-flight work is finished or released before `run()` returns."""
         if not self._stopping.is_set():
@@ -306,7 +317,7 @@ class Dispatcher:
         try:
             await asyncio.to_thread(self.backend.wait_for_work, self.config.poll_seconds)
         except Exception as exc:
-            _log(f"{self.worker_id}: waiting for work failed: {_one_line(exc)}")
+            self._call_failed("wait", "waiting for work failed", exc)
             await self._reconnect()
             await self._sleep_unless_stopping(self.config.poll_seconds)
 
@@ -317,11 +328,12 @@ class Dispatcher:
         try:
             moved = await asyncio.to_thread(self.backend.recover)
         except Exception as exc:
-            _log(f"{self.worker_id}: recovery failed: {_one_line(exc)}")
+            self._call_failed("recover", "recovery failed", exc)
             await self._reconnect()
             return
-        if moved:
-            self.emit("recover", count=moved)
+        # Every call that succeeded, even one that moved nothing: that recovery ran is
+        # what a checker needs to know when other calls failed.
+        self.emit("recover", count=moved)
 
     async def _claim(self) -> list[Lease] | None:
         """A batch of leases; [] when nothing is due; None after a database error (the
@@ -331,7 +343,7 @@ class Dispatcher:
                 self.backend.claim, self.worker_id, self.config.batch, self._lease
             )
         except Exception as exc:
-            _log(f"{self.worker_id}: claim failed: {_one_line(exc)}")
+            self._call_failed("claim", "claim failed", exc)
             await self._reconnect()
             await self._sleep_unless_stopping(self.config.poll_seconds)
             return None
@@ -556,6 +568,7 @@ class Dispatcher:
         except Exception as exc:
             # The write may or may not have committed: unknown, not failed.
             error = _one_line(exc)
+            self._call_failed("finish", "writing results failed", exc)
             for result in results:
                 self.emit(
                     "write",
@@ -583,7 +596,7 @@ class Dispatcher:
         try:
             written = await asyncio.to_thread(self.backend.release, leases)
         except Exception as exc:
-            _log(f"{self.worker_id}: releasing leases failed, they will expire: {exc}")
+            self._call_failed("release", "releasing leases failed, they will expire", exc)
             return
         because = {} if reason is None else {"reason": reason}
         for lease, write in zip(leases, written, strict=True):
@@ -619,7 +632,7 @@ class Dispatcher:
             try:
                 answers = await asyncio.to_thread(self.backend.renew, leases, self._lease)
             except Exception as exc:
-                _log(f"{self.worker_id}: lease renewal failed: {_one_line(exc)}")
+                self._call_failed("renew", "lease renewal failed", exc)
                 await self._reconnect()
                 due = time.monotonic() + min(half, self.config.poll_seconds)
                 continue
@@ -738,6 +751,7 @@ __all__ = [
     "Dispatcher",
     "DispatcherConfig",
     "EventSink",
+    "FailedOp",
     "lease_left",
     "run_worker",
     "validate_worker_count",

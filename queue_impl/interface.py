@@ -167,3 +167,29 @@ class QueueBackend(Protocol):
 
     def close(self) -> None:
         """Close connections. The backend may be used again after (it reconnects)."""
+
+
+class StatementError(ValueError):
+    """A statement a backend would run that the database refuses to prepare (a syntax error,
+    an unknown column or function): found before any load starts, and named by the file and
+    block it came from. `ours` says the statement is the harness's own (the reference SQL
+    against the reference schema), so a failure is a skiplock bug, not bad input."""
+
+    def __init__(self, *, source: str, block: str, error: str, ours: bool = False,
+                 note: str | None = None) -> None:
+        self.source = source
+        self.block = block
+        self.error = error
+        self.ours = ours
+        self.note = note
+        super().__init__(f"{source}: block {block!r}: {error}" + (f" ({note})" if note else ""))
+
+
+@runtime_checkable
+class ChecksStatements(Protocol):
+    """An optional capability of a backend: check every statement it may run against the
+    database, without running any, once `setup()` has created its schema. The runner calls
+    it before any load starts; a backend without it is not checked."""
+
+    def check_statements(self) -> None:
+        """Raise `StatementError` for the first statement the database refuses to prepare."""

@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any, assert_never, get_args
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
+from psycopg.adapt import PyFormat, Transformer
+from psycopg.pq import TransactionStatus
 from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 
@@ -41,9 +43,11 @@ from queue_impl.interface import (
     JobStatus,
     Lease,
     NewJob,
+    Outcome,
+    StatementError,
     WriteResult,
 )
-from queue_impl.sqlfile import statements_with_overrides
+from queue_impl.sqlfile import REFERENCE_PATH, placeholders, positional, statements_and_sources
 from queue_impl.validate import check_jobs
 
 Variant = BackendName
@@ -95,7 +99,7 @@ class PgQueue:
         self.variant: Variant = variant
         self.schema = schema
         self._dsn = dsn
-        self._statements = statements_with_overrides(sql)
+        self._statements, self._sources = statements_and_sources(sql)
         self._conns: dict[Role, Conn] = {}
         self._locks: dict[Role, threading.Lock] = {role: threading.Lock() for role in Role}
         self._pid = os.getpid()
@@ -231,39 +235,95 @@ class PgQueue:
     # -- QueueBackend ------------------------------------------------------------------
 
     def setup(self) -> None:
+        """Raises `StatementError` when the database refuses the `setup_lock` or `schema`
+        block itself (bad SQL, not a lost connection), naming the block and its file."""
         with self._tx(Role.ADMIN) as conn:
-            self._run(conn, "setup_lock", {"lock_key": f"skiplock-schema:{self.schema}"})
+            with self._naming("setup_lock"):
+                self._run(conn, "setup_lock", {"lock_key": f"skiplock-schema:{self.schema}"})
             conn.execute(
                 sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.schema))
             )
-            # A script with no parameters: psycopg sends it as one simple query.
-            conn.execute(self._statements["schema"])
+            with self._naming("schema"):
+                # A script with no parameters: psycopg sends it as one simple query.
+                conn.execute(self._statements["schema"])
+
+    @contextmanager
+    def _naming(self, block: str) -> Iterator[None]:
+        """Turn the database refusing `block` into a `StatementError` naming it; a lost
+        connection, a cancel or a lock timeout (OperationalError), and a missing privilege
+        (the DSN's role, not the SQL), propagate unchanged."""
+        try:
+            yield
+        except psycopg.Error as exc:
+            if (isinstance(exc, psycopg.OperationalError | psycopg.errors.InsufficientPrivilege)
+                    or exc.sqlstate is None):
+                raise
+            primary = exc.diag.message_primary or str(exc)
+            raise self._statement_error(block, primary.splitlines()[0]) from exc
+
+    def _statement_error(self, block: str, error: str) -> StatementError:
+        source = self._sources[block]
+        if source != REFERENCE_PATH:
+            return StatementError(source=str(source), block=block, error=error)
+        schema_source = self._sources["schema"]
+        if block == "schema" or schema_source == REFERENCE_PATH:
+            return StatementError(
+                source=str(source), block=block, error=error, ours=True,
+                note="the reference SQL's own block: a skiplock bug, please report it",
+            )
+        return StatementError(
+            source=str(source), block=block, error=error,
+            note=f"a reference block, run against the schema block of {schema_source}",
+        )
+
+    def check_statements(self) -> None:
+        """Have the server prepare every block (but `schema`, which `setup()` ran) on this
+        queue's schema without running it: a syntax error, an unknown table, column or
+        function, or a type the server cannot resolve is found here, before any load,
+        rather than in every worker's every call. Each block is parsed and analysed (a
+        protocol-level Parse of the unnamed statement), never planned nor executed, with its
+        parameters typed as the queue's own calls type them. A block with no placeholders
+        that is a script of several statements (psycopg sends those as one simple query)
+        cannot be prepared, and is left unchecked. Raises `StatementError` for the first
+        block refused; call after `setup()`."""
+        samples = _sample_params()
+        with self._locks[Role.ADMIN]:
+            conn = self._conn(Role.ADMIN)
+            if conn.info.transaction_status != TransactionStatus.IDLE:
+                conn.rollback()
+            transformer = Transformer(conn)
+            encoding = conn.info.encoding
+            for block, text in self._statements.items():
+                if block == "schema":
+                    continue
+                query, names = positional(text)
+                params = samples.get(block, {})
+                transformer.dump_sequence([params[n] for n in names], [PyFormat.AUTO] * len(names))
+                result = conn.pgconn.prepare(b"", query.encode(encoding), transformer.types)
+                if result.status != pq.ExecStatus.FATAL_ERROR:
+                    continue
+                if conn.pgconn.status != pq.ConnStatus.OK:
+                    self._drop(Role.ADMIN)
+                    raise psycopg.OperationalError(
+                        f"the connection was lost while checking block {block!r}"
+                    )
+                error = _field(result, pq.DiagnosticField.MESSAGE_PRIMARY, encoding)
+                if not placeholders(text) and error == _SCRIPT_NOT_PREPARABLE:
+                    continue  # a script, sent as a simple query: it cannot be prepared
+                raise self._statement_error(block, error.splitlines()[0] if error else
+                                            "the server refused the statement")
 
     def upsert_accounts(self, accounts: Sequence[Account]) -> None:
         if not accounts:
             return
         with self._tx(Role.ADMIN) as conn:
-            self._run(
-                conn,
-                "upsert_accounts",
-                {
-                    "account_ids": [a.id for a in accounts],
-                    "limits": [a.concurrency_limit for a in accounts],
-                },
-            )
+            self._run(conn, "upsert_accounts", _accounts_params(accounts))
 
     def enqueue(self, jobs: Sequence[NewJob]) -> None:
         if not jobs:
             return
         check_jobs(jobs)
-        params = {
-            "job_ids": [j.id for j in jobs],
-            "account_ids": [j.account_id for j in jobs],
-            "target_urls": [j.target_url for j in jobs],
-            "payloads": [Jsonb(dict(j.payload)) for j in jobs],
-            "run_ats": [j.run_at for j in jobs],
-            "max_attempts": [j.max_attempts for j in jobs],
-        }
+        params = _enqueue_params(jobs)
         with self._tx(Role.ENQUEUE) as conn:
             self._run(conn, "enqueue", params)
             self._run(conn, "notify", {"channel": self.channel})
@@ -300,14 +360,7 @@ class PgQueue:
                 # is taken after the first one's account locks.
                 locked = [row["id"] for row in self._run(conn, lock_block, {"batch": batch})]
                 rows = self._run(
-                    conn,
-                    claim_block,
-                    {
-                        "locked_accounts": locked,
-                        "batch": batch,
-                        "lease": lease,
-                        "worker_id": worker_id,
-                    },
+                    conn, claim_block, _claim_params(locked, batch, lease, worker_id)
                 )
             except BaseException:
                 self._rollback(Role.LEASE, conn)
@@ -342,16 +395,8 @@ class PgQueue:
     def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
         if not results:
             return []
-        params = {
-            **_items([r.lease for r in results]),
-            "outcomes": [r.outcome.value for r in results],
-            "http_statuses": [r.http_status for r in results],
-            "errors": [r.error for r in results],
-            "retry_delays": [r.retry_delay for r in results],
-            "finished_ats": [r.finished_at for r in results],
-        }
         with self._tx(Role.LEASE) as conn:
-            applied = {row["ord"] for row in self._run(conn, "finish", params)}
+            applied = {row["ord"] for row in self._run(conn, "finish", _finish_params(results))}
         return _write_results(len(results), applied)
 
     def renew(self, leases: Sequence[Lease], extend: timedelta) -> list[Lease | None]:
@@ -435,6 +480,86 @@ APPLICATION_NAME_ENV = "SKIPLOCK_APPLICATION_NAME"
 
 def _application_name(variant: str) -> str:
     return os.environ.get(APPLICATION_NAME_ENV) or f"skiplock-{variant}"
+
+
+def _accounts_params(accounts: Sequence[Account]) -> dict[str, Any]:
+    return {
+        "account_ids": [a.id for a in accounts],
+        "limits": [a.concurrency_limit for a in accounts],
+    }
+
+
+def _enqueue_params(jobs: Sequence[NewJob]) -> dict[str, Any]:
+    return {
+        "job_ids": [j.id for j in jobs],
+        "account_ids": [j.account_id for j in jobs],
+        "target_urls": [j.target_url for j in jobs],
+        "payloads": [Jsonb(dict(j.payload)) for j in jobs],
+        "run_ats": [j.run_at for j in jobs],
+        "max_attempts": [j.max_attempts for j in jobs],
+    }
+
+
+def _claim_params(
+    locked: Sequence[Any], batch: int, lease: timedelta, worker_id: str
+) -> dict[str, Any]:
+    return {"locked_accounts": list(locked), "batch": batch, "lease": lease,
+            "worker_id": worker_id}
+
+
+def _finish_params(results: Sequence[AttemptResult]) -> dict[str, Any]:
+    return {
+        **_items([r.lease for r in results]),
+        "outcomes": [r.outcome.value for r in results],
+        "http_statuses": [r.http_status for r in results],
+        "errors": [r.error for r in results],
+        "retry_delays": [r.retry_delay for r in results],
+        "finished_ats": [r.finished_at for r in results],
+    }
+
+
+def _sample_params() -> dict[str, dict[str, Any]]:
+    """Each block's parameters as the queue's own calls pass them (built by the same
+    functions, from values shaped like a run's), so a statement is prepared with the types
+    the server will really be sent."""
+    now = datetime.now().astimezone()
+    lease = timedelta(seconds=30)
+    held = Lease(
+        job_id=uuid.uuid4(), account_id="acct-0", target_url="http://127.0.0.1:1/deliver",
+        payload={}, attempt=1, max_attempts=3, lease_token=uuid.uuid4(),
+        locked_until=now + lease, worker_id="worker-0",
+    )
+    result = AttemptResult(
+        lease=held, outcome=Outcome.TRANSIENT, http_status=503, error="HTTP 503",
+        retry_delay=timedelta(seconds=1), started_at=now, finished_at=now,
+    )
+    job = NewJob(id=uuid.uuid4(), account_id="acct-0", target_url=held.target_url, payload={})
+    claim = _claim_params(["acct-0"], 10, lease, "worker-0")
+    return {
+        "setup_lock": {"lock_key": "skiplock-schema:check"},
+        "upsert_accounts": _accounts_params([Account(id="acct-0", concurrency_limit=2)]),
+        "enqueue": _enqueue_params([job]),
+        "notify": {"channel": "skiplock_check"},
+        "claim_lock_accounts": {"batch": 10},
+        "claim": claim,
+        "claim_lock_accounts_wait": {"batch": 10},
+        "claim_wait": claim,
+        "naive_select_due": {"batch": 10},
+        "naive_take": {"job_ids": [held.job_id], "lease": lease, "worker_id": "worker-0"},
+        "finish": _finish_params([result]),
+        "renew": {**_items([held]), "extend": lease},
+        "release": _items([held]),
+        "recover": {"limit": 100},
+    }
+
+
+# What the server answers when asked to prepare a script of several statements.
+_SCRIPT_NOT_PREPARABLE = "cannot insert multiple commands into a prepared statement"
+
+
+def _field(result: pq.abc.PGresult, field: pq.DiagnosticField, encoding: str) -> str:
+    raw = result.error_field(field)
+    return raw.decode(encoding, errors="replace") if raw else ""
 
 
 def _items(leases: Sequence[Lease]) -> dict[str, list[Any]]:

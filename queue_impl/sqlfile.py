@@ -226,7 +226,37 @@ def reference_statements() -> dict[str, str]:
 
 def statements_with_overrides(path: Path | str | None) -> dict[str, str]:
     """The reference statements, with the blocks of `path` (if any) replacing them by name."""
+    return statements_and_sources(path)[0]
+
+
+def statements_and_sources(path: Path | str | None) -> tuple[dict[str, str], dict[str, Path]]:
+    """As `statements_with_overrides`, with the file each block came from (`REFERENCE_PATH`
+    for the blocks `path` does not define), so an error can name the file to fix."""
     statements = reference_statements()
+    sources = dict.fromkeys(statements, REFERENCE_PATH)
     if path is not None:
-        statements.update(load_statements(path))
-    return statements
+        overrides = load_statements(path)
+        statements.update(overrides)
+        sources.update(dict.fromkeys(overrides, Path(path)))
+    return statements, sources
+
+
+# psycopg's own reading of a query: `%%` is a literal percent sign, `%(name)s` a parameter,
+# left to right (so `%%(x)s` is a percent sign and the text `(x)s`).
+_PSYCOPG_TOKEN = re.compile(r"%%|%\((?P<name>[A-Za-z_][A-Za-z0-9_]*)\)s")
+
+
+def positional(text: str) -> tuple[str, tuple[str, ...]]:
+    """The statement as psycopg sends it to the server: each `%(name)s` as `$n` (one number
+    per name, in order of first use), `%%` as `%`; and the names, in parameter order."""
+    names: list[str] = []
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group("name")
+        if name is None:
+            return "%"
+        if name not in names:
+            names.append(name)
+        return f"${names.index(name) + 1}"
+
+    return _PSYCOPG_TOKEN.sub(replace, text), tuple(names)

@@ -245,8 +245,9 @@ def _nest_script(batch: pa.RecordBatch) -> pa.RecordBatch:
 # The fields of a worker event the judge reads besides its kind, time, job and attempt.
 # `started` (write: when the statement was sent) and `end` (http: when the call ended) time
 # what the worker did; `outcome` says what a write recorded. The lease end the queue
-# reported (`locked_until`) is never used: leases run the configured length.
-_EVENT_DATA = ("result", "name", "lost", "error", "reason", "outcome", "started", "end")
+# reported (`locked_until`) is never used: leases run the configured length. `op` names the
+# call an `error` event says failed.
+_EVENT_DATA = ("result", "name", "lost", "error", "reason", "outcome", "started", "end", "op")
 _EVENT_BASE = ("kind", "worker", "time", "job_id", "attempt")
 
 
@@ -1966,6 +1967,10 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
         shown = ", ".join(map(str, silent[:5])) + (" ..." if len(silent) > 5 else "")
         unknown.append(f"no worker event log for {shown}, though the target saw its "
                        "deliveries")
+    failing, failed_calls = _never_succeeded(h)
+    unknown.extend(failing)
+    if failed_calls:
+        details["failed_calls"] = failed_calls
 
     found.counts["enqueued"] = int((acked == 1).sum())
     details.update({
@@ -1979,6 +1984,55 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
         "distinct_oracles": len(cache._cache),
     })
     return found, unknown, details
+
+
+def _never_succeeded(h: _History) -> tuple[list[str], dict[str, int]]:
+    """Calls to the queue that failed (`error` events) and never once succeeded, so the
+    history cannot show that the queue did that part of its job: recovery (no `recover`
+    event anywhere), claims (failed in every worker, no `claim` event anywhere) and result
+    writes (no write applied or fenced anywhere). A few failures among successes, as under
+    database faults, are not a reason. Returns the unknown reasons and the failed calls by
+    operation."""
+    ev = h.events
+    rows = np.flatnonzero((ev["kind"] == "error").to_numpy())
+    if not len(rows):
+        return [], {}
+    failed = pd.DataFrame({
+        "op": h.event_data.field("op", rows),
+        "error": h.event_data.field("error", rows),
+        "worker": ev["worker"].to_numpy()[rows],
+        "time": ev["time"].to_numpy()[rows],
+    }).sort_values("time", kind="stable")
+    kinds = ev["kind"]
+    writes = (kinds == "write") & ev["result"].isin(["applied", "fenced"])
+    workers = set(ev["worker"].dropna().unique().tolist())
+    reasons: list[str] = []
+    for op, what, succeeded, everywhere in (
+        ("recover", "recovery", bool((kinds == "recover").any()), False),
+        ("claim", "claims", bool((kinds == "claim").any()), True),
+        ("finish", "result writes", bool(writes.any()), False),
+    ):
+        mine = failed[failed["op"] == op]
+        if not len(mine) or succeeded:
+            continue
+        failing = set(mine["worker"].dropna().unique().tolist())
+        if everywhere and failing != workers:
+            continue
+        first = _records(mine.head(1))[0]
+        reasons.append(
+            f"{what} failed {len(mine)} time{'s' if len(mine) > 1 else ''} in "
+            f"{len(failing)} worker{'s' if len(failing) != 1 else ''} and never succeeded "
+            f"(the history cannot show that {_NEVER_RAN[op]}); first error, "
+            f"{first['worker']} at {_fmt(first['time'])}: {first['error']}")
+    counts = failed["op"].fillna("unnamed").value_counts()
+    return reasons, {str(k): int(v) for k, v in counts.items()}
+
+
+_NEVER_RAN = {
+    "recover": "expired leases were ever recovered",
+    "claim": "any job was claimed",
+    "finish": "any result was written",
+}
 
 
 def _floats(values: np.ndarray) -> np.ndarray:

@@ -204,8 +204,13 @@ WorkerEventKind = Literal[
     "write",  # a result write (job_id, attempt, outcome, result: applied|fenced|info, error)
     "renew",  # a lease renewed or lost (job_id, attempt, locked_until or lost=True)
     "release",  # a lease given back on graceful shutdown (job_id, attempt)
-    "recover",  # this worker's recovery moved `count` expired leases
+    # a recovery call succeeded and moved `count` expired leases (0 included; logs written
+    # before that rule hold only calls that moved some)
+    "recover",
     "failpoint",  # a failpoint fired (name, job_id, attempt): the process is about to die
+    # a call to the queue raised (op: recover|claim|finish|renew|release|wait, error);
+    # the worker goes on (a finish that raised is also a `write` with result info per job)
+    "error",
 ]
 
 HttpResult = Literal["ok", "http_error", "timeout", "connection_error", "refused"]
@@ -516,7 +521,7 @@ WORKER_LOG = LogFormat(
              ("end", "num"), ("started", "num"), ("outcome", "str"), ("error", "str"),
              ("lease_token", "str"), ("locked_until", "str"), ("lost", "bool"),
              ("name", "str"), ("count", "num"), ("pid", "num"), ("reason", "str"),
-             ("replaces", "str")),
+             ("replaces", "str"), ("op", "str")),
     flatten=_flatten_event,
     unflatten=_unflatten_event,
 )

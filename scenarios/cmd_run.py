@@ -3,8 +3,9 @@
 Ends with the verdict and the judging exit code: 0 valid, 1 a guarantee violated, 3 unknown,
 2 bad input, 4 harness failure. Every input is checked before anything starts: the scenario,
 the flags, `--out`, the DSN's shape, then, on the server provisioning found, the backend (a
-plug-in's factory is called once here); bad input is exit 2 with one line, and no run
-directory is made.
+plug-in's factory is called once here), and, on the run's fresh schema, every SQL statement
+the queue may run (the runner prepares each one, without running it, before any load); bad
+input is exit 2 with one line, and no run directory is made.
 """
 
 from __future__ import annotations
@@ -197,12 +198,20 @@ def run(args: argparse.Namespace) -> int:
 
     spec, seed = resolve(args, args.scenario)
     console = Console(stderr=True, highlight=False)
+    header = [f"skiplock run {spec.name}: backend {args.backend}, seed {seed},"
+              f" {spec.workers} workers, {spec.rate:g} jobs/s for {spec.duration:g} s"]
+
+    def announce(message: str) -> None:
+        # The header waits for the run's first announcement, which comes once the run's SQL
+        # has been checked on its schema: a run refused for bad SQL prints only the reason.
+        while header:
+            console.print(header.pop())
+        console.print(message)
+
     with checked_server(args) as server:
-        console.print(f"skiplock run {spec.name}: backend {args.backend}, seed {seed},"
-                      f" {spec.workers} workers, {spec.rate:g} jobs/s for {spec.duration:g} s")
         result = run_scenario(spec, run_options(args, seed, server),
                               observer=None if args.quiet else print_line(console),
-                              announce=console.print)
+                              announce=announce)
     verdict = result.verdict
     if args.json:
         print(json.dumps(verdict.to_json(), indent=2, default=str))
@@ -229,3 +238,6 @@ def print_verdict(console: Console, verdict: object, run_dir: Path) -> None:
     for kind, items in examples.items():
         for item in items[:3]:
             console.print(f"  {kind}: {json.dumps(item, default=str)}")
+    # Why the answer is unknown, as `skiplock check` prints it: exit 3 says so, not why.
+    for reason in getattr(verdict, "unknown_reasons", ()):
+        console.print(f"  unknown: {reason}", markup=False, highlight=False, soft_wrap=True)

@@ -1,6 +1,7 @@
 """The runner: one scenario, end to end, into a run directory, then judged.
 
-    spec -> PostgreSQL (provisioned, durable) -> queue schema + accounts -> echo target
+    spec -> PostgreSQL (provisioned, durable) -> queue schema -> every statement prepared
+         (bad --sql: exit 2, no run directory) -> accounts -> echo target
          -> worker pool -> producers (warm-up, load) -> nemesis hook -> drain (bounded)
          -> stop workers -> final-state snapshot -> run.json, spec.json, samples.csv
          -> checker -> verdict.json
@@ -28,7 +29,14 @@ import psycopg
 from psycopg import sql
 
 from queue_impl.dispatcher import DispatcherConfig
-from queue_impl.interface import Account, JobState, JobStatus, QueueBackend
+from queue_impl.interface import (
+    Account,
+    ChecksStatements,
+    JobState,
+    JobStatus,
+    QueueBackend,
+    StatementError,
+)
 from queue_impl.plugins import BackendSpec
 from reports import columnar
 from reports.history import (
@@ -522,7 +530,6 @@ def run_scenario(
     (run_dir / NEMESIS_FILE).touch()
     # With its header: a run in which no producer wrote still leaves a well-formed log.
     LogWriter(run_dir / ENQUEUES_FILE, ENQUEUE_LOG).close()
-    say(f"run directory: {run_dir}")
 
     started = time.time()
     drained = False
@@ -534,6 +541,9 @@ def run_scenario(
     backend_spec: BackendSpec | None = None
     server_up: PgServer | None = None
     run_dir_removed = False
+    # Bad input found once the server was up (SQL the database refuses): the run never
+    # started, so it leaves no run directory behind either.
+    refused = False
     final_jobs: int | None = None
     snapshot_note: str | None = None
 
@@ -591,7 +601,6 @@ def run_scenario(
             server = (options.server if options.server is not None
                       else stack.enter_context(postgres(options.dsn, durable=True)))
             server_up = server
-            say(f"PostgreSQL: {server.kind} {server.display}")
             backend_spec = BackendSpec(name=options.backend, dsn=server.dsn, schema=schema,
                                        sql_path=options.sql_path)
             description = describe(server.dsn)
@@ -603,14 +612,27 @@ def run_scenario(
 
             queue: QueueBackend = backend_spec.create()
             stack.callback(queue.close)
-            queue.setup()
+            try:
+                queue.setup()
+                if options.schema is None and not options.keep_schema:
+                    # Registered before the snapshot runs, so it runs after it (LIFO).
+                    stack.callback(_drop_schema, server.dsn, schema)
+                # Every statement checked on the fresh schema before any load starts, so
+                # bad SQL is one line naming its file and block, not every call failing.
+                if isinstance(queue, ChecksStatements):
+                    queue.check_statements()
+            except StatementError as exc:
+                if exc.ours:
+                    raise HarnessError(str(exc)) from exc
+                refused = True
+                raise UsageError(str(exc)) from None
+            # Announced once the input is known to be good: a refused run says only why.
+            say(f"run directory: {run_dir}")
+            say(f"PostgreSQL: {server.kind} {server.display}")
             queue.upsert_accounts(
                 [Account(id=a, concurrency_limit=limit)
                  for a, limit in spec.account_limits().items()]
             )
-            if options.schema is None and not options.keep_schema:
-                # Registered before the snapshot runs, so it runs after it (LIFO).
-                stack.callback(_drop_schema, server.dsn, schema)
 
             snapshot_spec = backend_spec
 
@@ -702,7 +724,7 @@ def run_scenario(
         raise
     except UsageError as exc:
         exit_reason = f"error: {exc}"
-        if server_up is None:
+        if server_up is None or refused:
             # Bad input found before anything ran (e.g. an unreachable DSN): leave no
             # half-made run directory behind.
             shutil.rmtree(run_dir, ignore_errors=True)
