@@ -760,6 +760,8 @@ class RunConfig:
     # Whether the queue's server was durable (fsync, full page writes, synchronous commit);
     # None when neither run.json nor spec.json says, which is judged as durable.
     durable: bool | None = None
+    # The system under test's name (run.json `backend`), "" when not recorded.
+    backend: str = ""
 
 
 def _durability(raw: dict[str, Any], spec: dict[str, Any], path: Path) -> bool | None:
@@ -843,6 +845,7 @@ def _run_config(path: Path, spec: dict[str, Any] | None = None) -> RunConfig:
         account_limits={str(k): v for k, v in limits.items()},
         final_jobs=final_jobs,
         durable=_durability(raw, spec or {}, path),
+        backend=raw["backend"] if isinstance(raw.get("backend"), str) else "",
     )
 
 
@@ -1109,7 +1112,9 @@ def _load(run_dirs: Sequence[Path]) -> _History:
     result = np.full(len(ev.columns["kind"]), None, dtype=object)
     # Few distinct kinds: as a categorical, the judge's comparisons on it are cheap.
     kind = pd.Categorical(pd.Series(ev.columns["kind"], dtype=object))
-    writes = np.flatnonzero(kind == "write")
+    # The results the judge reads: a write's, and a release's (an applied release gave its
+    # attempt back).
+    writes = np.flatnonzero((kind == "write") | (kind == "release"))
     result[writes] = ev.nested["data"].field("result", writes)
     events = pd.DataFrame({
         "kind": kind,
@@ -1439,6 +1444,18 @@ class _Explainer:
             return unreached
         return None
 
+    def ran_normally(self, job: int, attempt: float) -> bool:
+        """Whether the attempt was claimed once, answered by the target and its result
+        written: it ran as its script says, whatever fault was about, so it is one of the
+        deliveries the oracle counts, never one a fault took away."""
+        if math.isnan(attempt):
+            return False
+        events = self.by_attempt.get((job, int(attempt)), ())
+        return (sum(r["kind"] == "claim" for r in events) == 1
+                and any(r["kind"] == "http" and r["result"] in ("ok", "http_error")
+                        for r in events)
+                and any(r["kind"] == "write" and r["result"] == "applied" for r in events))
+
     def fault_touched(self, job: int, job_id: str) -> str | None:
         """A recorded fault that hit one of this job's attempts without a delivery to show
         for it (a crash after claim, a kill before the call), inside that attempt's lease
@@ -1452,6 +1469,13 @@ class _Explainer:
                     return f"the result write of attempt {attempt} was lost with its connection"
             claims = [r for r in events if r["kind"] == "claim"]
             if not claims:
+                continue
+            if len(claims) == 1 and any(r["kind"] == "release" and r["result"] == "applied"
+                                        for r in events):
+                # Given back unexecuted: it used up no attempt, so no fault that hit it can
+                # explain an attempt the job is missing.
+                continue
+            if self.ran_normally(job, attempt):
                 continue
             worker = str(claims[0]["worker"])
             start = min(float(r["time"]) for r in claims)
@@ -1793,6 +1817,25 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
             exceeded[j] = (f"delivered again at {_fmt(received[i])} after attempt "
                            f"{_label(attempt[perm])} failed permanently "
                            f"(status {int(status[perm])})")
+    # Committed claims beyond max_attempts: a fault may explain a repeated delivery, never an
+    # extra claim the queue committed. A claim given back by an applied release used no
+    # attempt; under pg-long-tx a claim commits only with its result, so a claim whose worker
+    # died is rolled back and the rule is not applied there.
+    events = h.events
+    if cfg.backend != "pg-long-tx" and len(events) and "job" in events:
+        of_job = events["job"] >= 0
+        claimed = events[of_job & (events["kind"] == "claim")].groupby("job").size()
+        given_back = events[of_job & (events["kind"] == "release")
+                            & (events["result"] == "applied")].groupby("job").size()
+        committed = claimed.sub(given_back, fill_value=0)
+        if len(committed):
+            limits = h.job_max_attempts[committed.index.to_numpy()]
+            for j, count in committed[committed.to_numpy() > limits].items():
+                if int(j) not in exceeded:
+                    exceeded[int(j)] = (
+                        f"{int(count)} committed claims for max_attempts "
+                        f"{h.job_max_attempts[int(j)]} ({int(given_back.get(j, 0))} given "
+                        "back by release)")
     for j, why in exceeded.items():
         found.add("attempts_exceeded", h.job_ids[j], why)
 
@@ -1848,6 +1891,8 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
             reason = fault_reason.get(j)
             if reason is None:
                 for r in job_rows[j]:
+                    if explainer.ran_normally(j, float(records[r]["attempt"])):
+                        continue
                     nxt_time = next_received[r] if same_next[r] else math.inf
                     why = explainer.explain(records[r], float(nxt_time), timeouts=False)
                     if why is not None:

@@ -448,13 +448,59 @@ def test_attempts_exceeded(tmp_path: Path) -> None:
 
 
 def test_explained_redeliveries_do_not_exceed_attempts(tmp_path: Path) -> None:
+    """pg-long-tx: the first claim rolled back with its transaction when the result write
+    was lost, so the job was claimed once for good and delivered twice, the first
+    delivery explained by the lost write."""
     b = RunBuilder()
+    b.run_info["backend"] = "pg-long-tx"
     b.enqueue(JOB, script=SUCCEED, max_attempts=1)
     b.attempt(JOB, 1, claimed=100.0, worker="worker-0", write="info")
     b.attempt(JOB, 1, claimed=110.5, worker="worker-1")
     b.final(JOB, "COMPLETED", max_attempts=1)
     verdict = check(b, tmp_path)
     assert anomalies(verdict) == {"duplicate_explained": 1}
+
+
+def test_a_fault_never_explains_an_extra_committed_claim(tmp_path: Path) -> None:
+    """The reference commits each claim before it calls: the same history there is two
+    committed claims for max_attempts 1, whatever explains the second delivery."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED, max_attempts=1)
+    b.attempt(JOB, 1, claimed=100.0, worker="worker-0", write="info")
+    b.attempt(JOB, 1, claimed=110.5, worker="worker-1")
+    b.final(JOB, "COMPLETED", max_attempts=1)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"duplicate_explained": 1, "attempts_exceeded": 1}
+    assert whys(verdict, "attempts_exceeded") == [
+        "2 committed claims for max_attempts 1 (0 given back by release)"]
+
+
+def test_a_claim_given_back_by_release_uses_no_attempt(tmp_path: Path) -> None:
+    """Claimed, given back unexecuted (an applied release), claimed again and delivered:
+    one attempt of one, and a pause over the released claim explains no missing attempt."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED, max_attempts=1)
+    b.event("claim", "worker-0", 100.0, job_id=JOB, attempt=1, lease_token="t1",
+            locked_until=110.0)
+    b.event("release", "worker-0", 100.01, job_id=JOB, attempt=1, result="applied")
+    b.attempt(JOB, 1, claimed=101.0, worker="worker-1")
+    b.final(JOB, "COMPLETED", max_attempts=1)
+    assert anomalies(check(b, tmp_path / "a")) == {}
+
+    fail_twice = RunBuilder()
+    fail_twice.enqueue(JOB, script=FAIL_TWICE, max_attempts=3)
+    fail_twice.event("claim", "worker-0", 100.0, job_id=JOB, attempt=1, lease_token="t1",
+                     locked_until=110.0)
+    fail_twice.event("release", "worker-0", 100.01, job_id=JOB, attempt=1, result="applied")
+    fail_twice.fault("pause_worker", 99.0, 100.02, target="worker-0")
+    # A queue that kept the released attempt: two deliveries, then a dead letter.
+    fail_twice.attempt(JOB, 2, claimed=101.0, worker="worker-1", status=503,
+                       behaviour="status")
+    fail_twice.attempt(JOB, 3, claimed=103.0, worker="worker-1", status=503,
+                       behaviour="status")
+    fail_twice.final(JOB, "FAILED", attempts=3, max_attempts=3)
+    verdict = check(fail_twice, tmp_path / "b")
+    assert "state_mismatch" in anomalies(verdict), verdict.examples
 
 
 def test_early_retry(tmp_path: Path) -> None:
@@ -1442,7 +1488,8 @@ def test_unreached_attempts_other_than_the_attempts_allowed_excuse_nothing(
     b.final("overrun", "FAILED", attempts=3, max_attempts=2)
     verdict = check(b, tmp_path)
     assert verdict.valid is False
-    assert anomalies(verdict) == {"lost": 2, "state_mismatch": 2}
+    # "overrun" is also three committed claims for max_attempts 2.
+    assert anomalies(verdict) == {"lost": 2, "state_mismatch": 2, "attempts_exceeded": 1}
     assert verdict.unknown_reasons == ()
 
 
