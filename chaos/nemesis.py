@@ -339,6 +339,9 @@ class Fault:
         self.planned = planned
         self.rng = random.Random(planned.seed)
         self.data: dict[str, Any] = {}
+        # Set by `apply` when the fault took hold later than it was asked to (a stall found
+        # after its failpoint opened): the event's window then starts here.
+        self.started_at: float | None = None
 
     def apply(self) -> list[str | None]:
         raise NotImplementedError
@@ -438,7 +441,8 @@ class ScheduledNemesis:
                 fault.heal()
             self._skip(fault, start, f"failed: {type(exc).__name__}: {exc}", end=time.time())
             return
-        active = _Active(fault=fault, hit=hit, start=start)
+        active = _Active(fault=fault, hit=hit,
+                         start=start if fault.started_at is None else fault.started_at)
         self._say(f"fault: {planned.kind} on {', '.join(str(h or 'the run') for h in hit)}")
         if planned.duration <= 0:
             with contextlib.suppress(Exception):

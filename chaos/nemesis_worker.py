@@ -75,42 +75,52 @@ class PauseWorker(Fault):
         self.data["phase"] = "claim"
         seconds = self.planned.duration
         self.ctx.set_failpoint(PAUSE_SECONDS_KEY, seconds)
+        opened = time.time()
         self.ctx.set_failpoint("pause_in_claim", 1.0)
-        found: set[str] = set()
+        found: dict[str, float] = {}
         deadline = time.monotonic() + CLAIM_STALL_WAIT_SECONDS
         try:
             while not found and time.monotonic() < deadline:
-                found |= self._stalled_claims()
+                found.update(self._stalled_claims(opened))
                 time.sleep(0.02)
         finally:
             self.ctx.set_failpoint("pause_in_claim", 0.0)
         # A worker that decided to stall just before the window closed is asleep by now.
         time.sleep(0.1)
-        found |= self._stalled_claims()
+        found.update(self._stalled_claims(opened))
         if not found:
             raise FaultSkipped(f"no worker claimed within {CLAIM_STALL_WAIT_SECONDS:g} s")
-        # Each sleeper wakes by itself `seconds` after it stalled, at the latest this late.
-        self._awake_at = time.time() + seconds
+        # The window starts when the first stall did, not when the failpoint opened: a batch
+        # the worker finished in between was not touched, and must not be explained by it.
+        self.started_at = min(found.values())
+        # Each sleeper wakes by itself `seconds` after it stalled.
+        self._awake_at = max(found.values()) + seconds
         return list[str | None](sorted(found))
 
-    def _stalled_claims(self) -> set[str]:
-        """Workers whose lease session is idle inside a transaction (only a stalled claim
-        leaves it so: the reference queue commits every other transaction at once)."""
+    def _stalled_claims(self, opened: float) -> dict[str, float]:
+        """Workers whose lease session went idle inside a transaction since the failpoint
+        opened (only a stalled claim leaves it so: the reference queue commits every other
+        transaction at once), each with when it stalled by this process's clock (the server
+        says how long ago, so no clock is shared with it)."""
         import psycopg
 
         from chaos.nemesis_db import like_prefix
 
+        since = time.time() - opened + 0.05
         with psycopg.connect(self.ctx.dsn, autocommit=True, connect_timeout=2,
                              application_name="skiplock-harness-pause") as conn:
             rows = conn.execute(
-                "SELECT application_name FROM pg_stat_activity"
+                "SELECT application_name,"
+                " extract(epoch FROM clock_timestamp() - state_change)::float8"
+                " FROM pg_stat_activity"
                 " WHERE application_name LIKE %s ESCAPE '\\'"
-                " AND state = 'idle in transaction'",
-                [like_prefix(self.ctx.app_prefix)],
+                " AND state = 'idle in transaction'"
+                " AND state_change >= clock_timestamp() - make_interval(secs => %s)",
+                [like_prefix(self.ctx.app_prefix), since],
             ).fetchall()
-        names = [str(row[0]) for row in rows]
-        return {name[len(self.ctx.app_prefix):].removesuffix("-lease")
-                for name in names if name.endswith("-lease")}
+        now = time.time()
+        return {str(name)[len(self.ctx.app_prefix):].removesuffix("-lease"): now - float(age)
+                for name, age in rows if str(name).endswith("-lease")}
 
     def heal(self) -> None:
         for worker in getattr(self, "_paused", ()):

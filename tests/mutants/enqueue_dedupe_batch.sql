@@ -2,7 +2,7 @@
 -- Bug: an "idempotent enqueue" that drops duplicate submissions inside a batch by content,
 -- DISTINCT ON (account_id, target_url, payload): two different jobs with the same payload
 -- in one batch are silently collapsed into one, and the whole batch is acknowledged (lost).
--- expect: (none yet: every scenario enqueues one job per transaction; noisy-neighbour with enqueue_batch = 5 reports lost on seeds 1 and 2)
+-- expect: lost
 -- scenario: noisy-neighbour
 
 -- name: enqueue

@@ -3,7 +3,7 @@
 -- unexecuted (a graceful stop between claim and call) still uses up one of the job's
 -- attempts, and a job released often enough is dead-lettered before its script could
 -- complete (state_mismatch, lost).
--- expect: (none yet: no scenario makes a worker release a lease; the dispatcher releases only when told to stop between a claim and its calls, kills are SIGKILL and runs stop idle workers)
+-- expect: state_mismatch
 -- scenario: exhaust-attempts
 
 -- name: release

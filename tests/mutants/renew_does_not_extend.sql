@@ -3,7 +3,7 @@
 -- was written with LEAST: it always keeps the old deadline, so a batch that runs past its
 -- first lease is recovered and handed to another worker while its calls still run
 -- (duplicate_unexplained, state_mismatch).
--- expect: (none yet: under the timing rule http_timeout + write_margin < lease a batch ends inside its first lease, so no renewal is needed; long-calls with lease = 1.0 and unsafe_timing = true reports duplicate_unexplained on seeds 1 and 2)
+-- expect: duplicate_unexplained
 -- scenario: long-calls
 
 -- name: renew

@@ -1,0 +1,90 @@
+"""Deliberately broken queues: the gate must fail each one, naming the anomaly that matches
+its bug, and pass the reference on the same scenarios.
+
+Each `tests/mutants/*.sql` replaces a few named blocks of the reference queue and says in
+its header which anomalies it must cause (`-- expect:`) and which gate scenario catches it
+(`-- scenario:`). A mutant whose bug no scenario can see yet says `-- expect: (none ...)`
+and is skipped with its reason, so the gap stays visible.
+
+The seed is fixed for a reproducible suite (SKIPLOCK_TEST_SEED overrides it); the reference
+is held to every seed by the gate's own sweeps, which the README reports.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reports.checker import COUNT_KEYS
+from scenarios.gate import gate_server, line, run_case
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(180)]
+
+MUTANTS_DIR = Path(__file__).resolve().parents[1] / "mutants"
+SEED = int(os.environ.get("SKIPLOCK_TEST_SEED", "1"))
+
+
+@dataclass(frozen=True)
+class Mutant:
+    path: Path
+    expect: tuple[str, ...]
+    scenario: str
+    gap: str | None  # why no scenario can catch it yet
+
+
+def read_mutant(path: Path) -> Mutant:
+    text = path.read_text()
+    expect = re.search(r"^-- expect: (.+)$", text, re.M)
+    scenario = re.search(r"^-- scenario: (\S+)", text, re.M)
+    assert expect and scenario, f"{path.name}: needs '-- expect:' and '-- scenario:' lines"
+    raw = expect.group(1).strip()
+    if raw.startswith("("):
+        return Mutant(path, (), scenario.group(1), raw.strip("()"))
+    kinds = tuple(k.strip() for k in raw.split(","))
+    unknown = set(kinds) - set(COUNT_KEYS)
+    assert not unknown, f"{path.name}: unknown anomalies {unknown}"
+    return Mutant(path, kinds, scenario.group(1), None)
+
+
+MUTANTS = [read_mutant(p) for p in sorted(MUTANTS_DIR.glob("*.sql"))]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Any]:
+    with gate_server(os.environ.get("SKIPLOCK_PG_DSN")) as found:
+        yield found
+
+
+def test_there_is_a_mutant_for_every_class_of_bug() -> None:
+    assert len(MUTANTS) >= 12
+    caught = {kind for m in MUTANTS for kind in m.expect}
+    # Every anomaly a queue's SQL can cause has a mutant that causes it.
+    assert caught >= {"lost", "duplicate_unexplained", "concurrent_delivery",
+                      "attempts_exceeded", "early_retry", "limit_exceeded",
+                      "state_mismatch", "stale_write"}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.path.stem for m in MUTANTS])
+def test_the_gate_catches_the_mutant_with_the_anomaly_of_its_bug(
+        mutant: Mutant, server: Any, tmp_path: Path) -> None:
+    if mutant.gap:
+        pytest.skip(f"not caught yet: {mutant.gap}")
+    result = run_case(mutant.scenario, SEED, server=server, backend="pg",
+                      sql_path=str(mutant.path), out=tmp_path)
+    assert result.exit_code == 1, line(result)
+    missing = [kind for kind in mutant.expect if not result.counts.get(kind)]
+    assert not missing, f"{mutant.path.name} lacks {missing}: {line(result)}"
+
+
+@pytest.mark.parametrize("scenario", sorted({m.scenario for m in MUTANTS}))
+def test_the_reference_passes_every_scenario_that_catches_a_mutant(
+        scenario: str, server: Any, tmp_path: Path) -> None:
+    result = run_case(scenario, SEED, server=server, backend="pg", sql_path=None,
+                      out=tmp_path)
+    assert result.exit_code == 0, line(result)
