@@ -3,8 +3,10 @@ its bug, and pass the reference on the same scenarios.
 
 Each `tests/mutants/*.sql` replaces a few named blocks of the reference queue and says in
 its header which anomalies it must cause (`-- expect:`) and which gate scenario catches it
-(`-- scenario:`). A mutant whose bug no scenario can see yet says `-- expect: (none ...)`
-and is skipped with its reason, so the gap stays visible.
+(`-- scenario:`). A race, which needs two claims at the same instant, may say how many
+seeds it gets (`-- seeds: N`, as the gate's `--seeds`), and must be caught in one of them. A
+mutant whose bug no scenario can see yet says `-- expect: (none ...)` and is skipped with
+its reason, so the gap stays visible.
 
 The seed is fixed for a reproducible suite (SKIPLOCK_TEST_SEED overrides it); the reference
 is held to every seed by the gate's own sweeps, which the README reports.
@@ -36,6 +38,7 @@ class Mutant:
     expect: tuple[str, ...]
     scenario: str
     gap: str | None  # why no scenario can catch it yet
+    seeds: int = 1
 
 
 def read_mutant(path: Path) -> Mutant:
@@ -49,7 +52,8 @@ def read_mutant(path: Path) -> Mutant:
     kinds = tuple(k.strip() for k in raw.split(","))
     unknown = set(kinds) - set(COUNT_KEYS)
     assert not unknown, f"{path.name}: unknown anomalies {unknown}"
-    return Mutant(path, kinds, scenario.group(1), None)
+    seeds = re.search(r"^-- seeds: (\d+)$", text, re.M)
+    return Mutant(path, kinds, scenario.group(1), None, int(seeds.group(1)) if seeds else 1)
 
 
 MUTANTS = [read_mutant(p) for p in sorted(MUTANTS_DIR.glob("*.sql"))]
@@ -75,11 +79,16 @@ def test_the_gate_catches_the_mutant_with_the_anomaly_of_its_bug(
         mutant: Mutant, server: Any, tmp_path: Path) -> None:
     if mutant.gap:
         pytest.skip(f"not caught yet: {mutant.gap}")
-    result = run_case(mutant.scenario, SEED, server=server, backend="pg",
-                      sql_path=str(mutant.path), out=tmp_path)
-    assert result.exit_code == 1, line(result)
-    missing = [kind for kind in mutant.expect if not result.counts.get(kind)]
-    assert not missing, f"{mutant.path.name} lacks {missing}: {line(result)}"
+    tried = []
+    for seed in range(SEED, SEED + mutant.seeds):
+        result = run_case(mutant.scenario, seed, server=server, backend="pg",
+                          sql_path=str(mutant.path), out=tmp_path)
+        missing = [kind for kind in mutant.expect if not result.counts.get(kind)]
+        if result.exit_code == 1 and not missing:
+            return
+        tried.append(f"{line(result)} (missing {missing})")
+    pytest.fail(f"{mutant.path.name} not caught with {list(mutant.expect)}:\n"
+                + "\n".join(tried))
 
 
 @pytest.mark.parametrize("scenario", sorted({m.scenario for m in MUTANTS}))

@@ -6,6 +6,7 @@
 -- catches it on seeds 1 and 3, not on 2 and 4; with workers = 6 on every seed tried.
 -- expect: limit_exceeded
 -- scenario: noisy-neighbour
+-- seeds: 3
 
 -- name: claim_lock_accounts
 -- Step 1 of a claim (seed 1, section 9): lock the limited accounts that have due work and a

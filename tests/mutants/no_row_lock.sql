@@ -7,6 +7,7 @@
 -- at the same moment: crash-points (replacement workers, bursts of claims) shows it most.
 -- expect: duplicate_unexplained, concurrent_delivery
 -- scenario: crash-points
+-- seeds: 3
 
 -- name: claim
 -- Step 2 of a claim, a separate statement in the same transaction. Under READ COMMITTED it

@@ -2,7 +2,7 @@
 -- Bug: a "safety margin" added to the expiry test with the wrong sign: recovery takes every
 -- lease that expires within the next 2 s (locked_until < now() + 2 s) instead of those
 -- expired for a while, so a job whose call is still running is handed to another worker.
--- expect: concurrent_delivery, duplicate_unexplained
+-- expect: duplicate_unexplained
 -- scenario: long-calls
 
 -- name: recover
