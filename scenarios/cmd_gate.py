@@ -8,13 +8,16 @@ input, 4 harness failure. One line per scenario x seed, then a summary; `OUT/jun
 from __future__ import annotations
 
 import argparse
+import os
 import random
 from pathlib import Path
 
 from rich.console import Console
 
+from scenarios.cmd_run import check_dsn
 from scenarios.errors import UsageError
 from scenarios.gate import DEFAULT_OUT, SUITE, line, resolve_scenarios, run_gate
+from scenarios.provision import DSN_ENV, check_reachable
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -42,22 +45,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from queue_impl.plugins import validate_backend_name
-    from queue_impl.sqlfile import SqlFileError, statements_with_overrides
+    from scenarios.cmd_run import check_dsn, check_out, check_system_under_test
 
-    try:
-        validate_backend_name(args.backend)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if args.sql_path is not None:
-        try:
-            statements_with_overrides(args.sql_path)
-        except SqlFileError as exc:
-            raise UsageError(str(exc)) from None
+    check_system_under_test(args.backend, args.sql_path)
+    check_dsn(args.dsn)
     if args.seeds < 1:
         raise UsageError(f"--seeds must be at least 1 (got {args.seeds})")
-    if args.out.exists() and not args.out.is_dir():
-        raise UsageError(f"--out {args.out} is a file: give a directory")
+    check_out(args.out)
+    check_dsn(args.dsn)
     scenarios = resolve_scenarios(args.only)
     overrides = list(args.overrides) + (["recovery=false"] if args.no_recovery else [])
     # Every scenario must load with the overrides before anything runs.
@@ -68,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
             load(scenario, overrides)
         except SpecError as exc:
             raise UsageError(f"{scenario}: {exc}") from None
+    # Whether a server given by DSN answers, before the header and before anything is
+    # written: an unreachable one is bad input, exit 2 with one line, as for `skiplock run`.
+    if args.dsn or os.environ.get(DSN_ENV):
+        check_reachable(args.dsn or os.environ[DSN_ENV])
     base = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     seeds = [base + i for i in range(args.seeds)]
     console = Console(stderr=True, highlight=False)

@@ -69,21 +69,26 @@ def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override any scenario key, e.g. --set lease=5 --set mix.slow=2")
 
 
-def resolve(args: argparse.Namespace, scenario: str) -> tuple[ScenarioSpec, int]:
-    """The scenario with every command-line override applied, and the seed."""
+def check_system_under_test(backend: str, sql_path: str | None) -> None:
+    """The backend name and the --sql file, checked before any server or process starts,
+    so that either is exit 2 with one line."""
     from queue_impl.plugins import validate_backend_name
     from queue_impl.sqlfile import SqlFileError, statements_with_overrides
 
     try:
-        validate_backend_name(args.backend)
+        validate_backend_name(backend)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if args.sql_path is not None:
-        # Checked here, before any server or process starts, so a bad file is exit 2.
+    if sql_path is not None:
         try:
-            statements_with_overrides(args.sql_path)
+            statements_with_overrides(sql_path)
         except SqlFileError as exc:
             raise UsageError(str(exc)) from None
+
+
+def resolve(args: argparse.Namespace, scenario: str) -> tuple[ScenarioSpec, int]:
+    """The scenario with every command-line override applied, and the seed."""
+    check_system_under_test(args.backend, args.sql_path)
     check_dsn(args.dsn)
     check_out(args.out)
     overrides = list(args.overrides)
