@@ -45,7 +45,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from scenarios.cmd_run import check_dsn, check_out, check_system_under_test
+    from scenarios.cmd_run import check_out, check_system_under_test
 
     check_system_under_test(args.backend, args.sql_path)
     check_dsn(args.dsn)
