@@ -706,8 +706,15 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def write_json(path: Path, value: Mapping[str, Any]) -> None:
-    """Write atomically (temp file + rename): readers never see half a file."""
+    """Write atomically (temp file + rename): readers never see half a file. A path that is
+    a device or a pipe (`--out /dev/null`, `/dev/stdout`) is written into, never replaced:
+    renaming over it would, as root, put a regular file where /dev/null was."""
+    text = json.dumps(value, indent=2, sort_keys=True, default=str) + "\n"
+    if path.exists() and not path.is_file() and not path.is_dir():
+        with path.open("w") as fh:
+            fh.write(text)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)

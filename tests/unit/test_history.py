@@ -247,3 +247,23 @@ def test_a_log_being_appended_to_is_not_taken_for_cut_off(tmp_path: Path) -> Non
     assert [p.wait() for p in procs] == [0, 0]
     assert opened > 0
     assert len(list(read_log(path, ENQUEUE_LOG))) == 10000
+
+
+def test_write_json_writes_into_a_device_instead_of_replacing_it(tmp_path: Path) -> None:
+    """`--out /dev/null` for a benchmark: as root, a rename over it would leave a regular
+    file where the device was (and break every program that writes to /dev/null)."""
+    import stat
+
+    from reports.history import write_json
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        write_json(fifo, {"a": 1})
+        assert stat.S_ISFIFO(fifo.stat().st_mode)
+        assert b'"a": 1' in os.read(reader, 1000)
+    finally:
+        os.close(reader)
+    write_json(Path("/dev/null"), {"a": 1})
+    assert stat.S_ISCHR(Path("/dev/null").stat().st_mode)
