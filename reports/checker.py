@@ -111,6 +111,9 @@ VIOLATION_KEYS: tuple[str, ...] = tuple(k for k in COUNT_KEYS if k not in _DESCR
 EXAMPLE_KINDS: tuple[str, ...] = (*VIOLATION_KEYS, "duplicate_explained")
 MAX_EXAMPLES = 10
 DEFAULT_TOLERANCE_SECONDS = 0.25
+# How long after it was due a retry's claim may come (a poll, a busy worker), for the window
+# in which a kill may have hidden it (_Explainer._unlogged_claim).
+TRAILING_CLAIM_SLACK_SECONDS = 2.0
 
 # Faults that hit one worker process: they explain what that worker held at the time.
 _WORKER_FAULTS = frozenset({"kill_worker", "pause_worker", "crash_after_claim", "crash_after_http"})
@@ -1456,7 +1459,7 @@ class _Explainer:
                         for r in events)
                 and any(r["kind"] == "write" and r["result"] == "applied" for r in events))
 
-    def fault_touched(self, job: int, job_id: str) -> str | None:
+    def fault_touched(self, job: int, job_id: str, max_attempts: int) -> str | None:
         """A recorded fault that hit one of this job's attempts without a delivery to show
         for it (a crash after claim, a kill before the call), inside that attempt's lease
         and before its result was applied."""
@@ -1506,9 +1509,48 @@ class _Explainer:
                         return (f"{fault['fault']} on {fault['target'] or 'the target'} at "
                                 f"{_fault_span(fault)} overlaps the failed call of attempt "
                                 f"{attempt}")
+        unlogged = self._unlogged_claim(job, max_attempts)
+        if unlogged is not None:
+            return unlogged
         for fault in self.faults:
             if fault["job_id"] == job_id:
                 return f"{fault['fault']} hit attempt {fault['attempt']}"
+        return None
+
+    def _unlogged_claim(self, job: int, max_attempts: int) -> str | None:
+        """An attempt that left no event at all, with a worker killed in the gap where it
+        belongs: a claim commits before its worker logs it, so a SIGKILL in between leaves an
+        attempt the history cannot see (recovered later, it still used up the attempt). The
+        gap runs from the last event of the attempt before to the claim of the attempt
+        after; for an attempt after the last one seen, to when it was due at the latest
+        (the longest retry wait, plus slack for the claim to come round)."""
+        seen = self.attempts_of.get(job, set())
+        if not seen:
+            return None
+        first_claim: dict[int, float] = {}
+        last_event: dict[int, float] = {}
+        for number in seen:
+            times = [float(r["time"]) for r in self.by_attempt[(job, number)]]
+            claims = [float(r["time"]) for r in self.by_attempt[(job, number)]
+                      if r["kind"] == "claim"]
+            first_claim[number] = min(claims or times)
+            last_event[number] = max(times)
+        for missing in sorted(set(range(1, max(max(seen), max_attempts) + 1)) - seen):
+            before = [n for n in seen if n < missing]
+            after = [n for n in seen if n > missing]
+            lo = (last_event[max(before)] if before else -math.inf) - self.tol
+            hi = (first_claim[min(after)] if after else
+                  lo + self.cfg.retry.cap_seconds + TRAILING_CLAIM_SLACK_SECONDS) + self.tol
+            for fault in self.faults:
+                if fault["fault"] == "kill_worker" and lo <= fault["start"] <= hi:
+                    return (f"attempt {missing} left no event, and kill_worker on "
+                            f"{fault['target']} at {_fmt(fault['start'])} may have ended the "
+                            "worker between committing its claim and logging it")
+            for worker, deaths in self.deaths.items():
+                for death in deaths:
+                    if lo <= float(death["time"]) <= hi:
+                        return (f"attempt {missing} left no event, and {worker} died at "
+                                f"{_fmt(death['time'])}, where that claim belongs")
         return None
 
 
@@ -1899,7 +1941,8 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
                         reason = why.text
                         break
             if reason is None:
-                reason = explainer.fault_touched(j, str(h.job_ids[j]))
+                reason = explainer.fault_touched(j, str(h.job_ids[j]),
+                                                 int(h.job_max_attempts[j]))
             fault_consumed[j] = reason
         return fault_consumed[j]
 

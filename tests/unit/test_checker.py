@@ -1633,3 +1633,44 @@ def test_a_number_spelled_another_way_reads_the_same_on_both_paths(
     if blank_line:
         append(log, "\n")
     assert check_run([run_dir]).valid is True
+
+
+def _fail_twice_with_a_gap(b: RunBuilder, *, missing: int) -> None:
+    """A job that needs three deliveries (503, 503, 200), of which attempt `missing` left
+    no event at all; the other attempts ran as the script says."""
+    b.enqueue(JOB, script=FAIL_TWICE, max_attempts=3)
+    at = {1: 100.0, 2: 105.0, 3: 110.0}
+    for n in (1, 2, 3):
+        if n != missing:
+            b.attempt(JOB, n, claimed=at[n], status=503, behaviour="status")
+
+
+@pytest.mark.parametrize(("kill_at", "valid"), [(106.0, True), (101.0, True), (None, False)])
+def test_an_attempt_a_kill_hid_before_it_was_logged(tmp_path: Path, kill_at: float | None,
+                                                   valid: bool) -> None:
+    """Attempt 2 left no event: its worker may have been killed between committing the claim
+    and logging it. A kill in the gap between attempts 1 and 3 explains the dead letter after
+    two deliveries; with none, it was dead-lettered early."""
+    b = RunBuilder()
+    _fail_twice_with_a_gap(b, missing=2)
+    b.final(JOB, "FAILED", attempts=3)
+    if kill_at is not None:
+        b.fault("kill_worker", kill_at, kill_at + 0.01, target="worker-9")
+    verdict = check(b, tmp_path)
+    assert verdict.valid is valid, verdict.examples
+    if not valid:
+        assert "state_mismatch" in anomalies(verdict)
+
+
+@pytest.mark.parametrize(("kill_at", "valid"), [(106.5, True), (120.0, False)])
+def test_a_last_attempt_a_kill_hid_only_while_it_was_due(tmp_path: Path, kill_at: float,
+                                                         valid: bool) -> None:
+    """Attempt 3 left no event. A kill soon after attempt 2, while attempt 3 was due,
+    explains it; a kill long after explains nothing (a queue that dead-letters one attempt
+    early must not hide behind every later kill). Retries wait at most 2 s here."""
+    b = RunBuilder(retry_cap_seconds=2.0)
+    _fail_twice_with_a_gap(b, missing=3)
+    b.final(JOB, "FAILED", attempts=3)
+    b.fault("kill_worker", kill_at, kill_at + 0.01, target="worker-9")
+    verdict = check(b, tmp_path)
+    assert verdict.valid is valid, verdict.examples
