@@ -168,7 +168,7 @@ class DsnView:
 def _libpq(dsn: str) -> dict[str, Any] | None:
     try:
         return conninfo_to_dict(dsn)
-    except psycopg.Error:
+    except (psycopg.Error, UnicodeError):  # not UTF-8: bytes from argv, or %80 decoded
         return None
 
 

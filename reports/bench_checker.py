@@ -396,9 +396,35 @@ def _print_timings(label: str, timings: Mapping[str, float]) -> None:
     print(f"total   {timings['total_seconds']:8.2f} {cpu_total:8.2f}")
 
 
+def _bad_paths(args: argparse.Namespace) -> str | None:
+    """What is wrong with --keep or --out, as one line, or None; checked (and their folders
+    made) before the history is built, not after the benchmark's time is spent."""
+    keep: Path | None = args.keep
+    out: Path | None = args.out
+    if keep is not None:
+        if keep.exists() and not keep.is_dir():
+            return f"--keep {keep} is not a directory: give a directory to build the run in"
+        try:
+            keep.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"--keep {keep}: cannot create it ({exc.strerror or exc})"
+    if out is not None:
+        if out.is_dir():
+            return f"--out {out} is a directory: give a file name"
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"--out {out}: cannot create its folder ({exc.strerror or exc})"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.deliveries < 1:
         print("skiplock: bench checker: --deliveries must be at least 1", file=sys.stderr)
+        return 2
+    bad = _bad_paths(args)
+    if bad is not None:
+        print(f"skiplock: bench checker: {' '.join(bad.split())}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="skiplock-bench-checker-") as tmp:
         run_dir = args.keep if args.keep is not None else Path(tmp) / "run"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -98,7 +99,7 @@ def validate(args: argparse.Namespace) -> Params:
     for name in ("workers", "batch"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name} must be a positive integer, got {getattr(args, name)}")
-    if not args.duration > 0:
+    if not (math.isfinite(args.duration) and args.duration > 0):
         raise UsageError(f"--duration must be a positive number of seconds, got {args.duration}")
     prefill = args.prefill
     if prefill is None:

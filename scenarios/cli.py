@@ -11,12 +11,14 @@ KeyboardInterrupt. Exit code 1 comes only from a verdict a command returns.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 import textwrap
 import traceback
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 from scenarios.errors import HarnessError, Terminated, UsageError, sigterm_as_interrupt
 
@@ -183,6 +185,16 @@ class _Parser(argparse.ArgumentParser):
         command = self.prog.removeprefix("skiplock").strip()
         raise UsageError(f"{command}: {message}" if command else message)
 
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        # Python 3.11's argparse drops an option's explicit value "--" (`--tolerance=--`)
+        # and hands the command an empty list instead of a string; keep it as the text given,
+        # so the option's type and checks refuse it like any other value.
+        if action.option_strings and arg_strings == ["--"] and action.nargs in (None, "?"):
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
+
 
 def _load(module_name: str) -> ModuleType:
     return importlib.import_module(module_name)
@@ -257,6 +269,11 @@ def _has_hidden_cause(exc: BaseException) -> bool:
     )
 
 
+def _shown_path(exc: OSError) -> str:
+    name = " ".join(str(exc.filename if exc.filename is not None else "").split())
+    return name if len(name) <= 120 else f"{name[:100]}... ({len(name)} characters)"
+
+
 def _fail(message: str, debug: bool) -> None:
     """Print the error's one line; with --debug, the traceback of what is handled first."""
     if debug:
@@ -293,6 +310,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(f"harness failure: exit({exc.code!r}) called inside the command ({hint})", debug)
         return EXIT_HARNESS
     except Exception as exc:
+        if isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG:
+            # Only a path the user gave is that long (a run directory's own name is at most
+            # 64 characters of the scenario's name): bad input, wherever it was looked up.
+            _fail(f"{_shown_path(exc)}: file name too long for this system: give a shorter"
+                  " path", debug)
+            return UsageError.exit_code
         message = _one_line(exc)
         what = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
         _fail(f"harness failure: {what} ({hint})", debug)

@@ -52,7 +52,6 @@ def run(args: argparse.Namespace) -> int:
     if args.seeds < 1:
         raise UsageError(f"--seeds must be at least 1 (got {args.seeds})")
     check_out(args.out)
-    check_dsn(args.dsn)
     scenarios = resolve_scenarios(args.only)
     overrides = list(args.overrides) + (["recovery=false"] if args.no_recovery else [])
     # Every scenario must load with the overrides before anything runs.

@@ -40,7 +40,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from queue_impl.plugins import redact
+from queue_impl.plugins import dsn_problem, redact
 from scenarios.errors import HarnessError, Terminated, UsageError, sigterm_as_interrupt
 from scenarios.orphans import FolderRemover, die_with_parent, start_folder_remover
 
@@ -204,11 +204,16 @@ def check_reachable(dsn: str) -> None:
     """Connect once with a short timeout; a bad or unreachable DSN is the user's to fix."""
     try:
         conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError:
+    except (psycopg.ProgrammingError, UnicodeError):  # UnicodeError: not UTF-8
         raise UsageError(
             "the PostgreSQL DSN cannot be parsed; give a URI like "
             "postgresql://USER@HOST:PORT/DB or key=value pairs"
         ) from None
+    # A password with an unescaped `@` or `/`: libpq would take part of it for the host and
+    # look that up, so refuse it before any connection (every command's DSN comes here).
+    problem = dsn_problem(dsn)
+    if problem is not None:
+        raise UsageError(f"the PostgreSQL DSN {redact_dsn(dsn)}: {problem}")
     try:
         with psycopg.connect(dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT_SECONDS):
             pass
@@ -606,6 +611,12 @@ def postgres(
     harness starts (tests only). `settings` are extra server settings for those servers; an
     external server runs with its own settings, which `PgServer.settings()` reports.
     """
+    if dsn is not None and not dsn.strip():
+        # `--dsn ""` (an unset variable, say) is a mistake, not a wish for Docker or the
+        # embedded server.
+        raise UsageError(f"--dsn is empty: give a PostgreSQL URI such as"
+                         f" postgresql://USER@HOST:PORT/DB, or leave --dsn out to use"
+                         f" {DSN_ENV}, Docker or the embedded server")
     source, given = choose_source(dsn, docker_probe)
     if source == "dsn":
         assert given is not None

@@ -327,11 +327,19 @@ def resolve_path(scenario: str) -> Path:
     """A name in scenarios/specs, or a path to a .toml file."""
     candidate = Path(scenario)
     if candidate.suffix == ".toml" or "/" in scenario:
-        if not candidate.is_file():
+        try:
+            found = candidate.is_file()
+        except OSError as exc:  # a name too long to look up, a folder it may not enter
+            raise SpecError(f"scenario file {scenario}: {exc.strerror or exc}") from None
+        if not found:
             raise SpecError(f"scenario file {scenario} not found")
         return candidate
     named = SPECS_DIR / f"{scenario}.toml"
-    if not named.is_file():
+    try:
+        found = named.is_file()
+    except OSError:  # no shipped scenario has a name too long to look up
+        found = False
+    if not found:
         raise SpecError(
             f"unknown scenario {scenario!r}; available: {', '.join(available())},"
             " or a path to a .toml file"
