@@ -37,6 +37,7 @@ the queue reported.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import mmap
@@ -503,7 +504,13 @@ def _read_csv(data: bytes | mmap.mmap, end: int, source: _Source) -> pa.Table | 
 
 def _read_jsonl(data: bytes, source: _Source) -> pa.Table | None:
     """A JSON Lines file parsed by Arrow; None when Arrow cannot parse it, or it holds
-    blank lines or two objects on a line (rows would not be lines)."""
+    blank lines or two objects on a line (rows would not be lines), or bytes that are not
+    UTF-8 (Arrow's reader passes them into its strings; the line-by-line reader names the
+    line)."""
+    try:
+        codecs.decode(data, "utf-8")
+    except UnicodeDecodeError:
+        return None
     try:
         table = pajson.read_json(
             pa.BufferReader(pa.py_buffer(data)),
@@ -1102,6 +1109,15 @@ def _load(run_dirs: Sequence[Path]) -> _History:
         "status": dl.number("status", "delivery", required=False),
         "behaviour": pd.Series(dl.columns["behaviour"], dtype=object),
     })
+    # The target writes a delivery's answer time and status together, or neither (never
+    # answered): one without the other is damage, and judging it would guess.
+    no_status = np.isnan(deliveries["status"].to_numpy())
+    half_answered = np.flatnonzero(np.isnan(deliveries["answered"].to_numpy()) != no_status)
+    if len(half_answered):
+        row = int(half_answered[0])
+        has = "an answer time" if no_status[row] else "a status"
+        raise HistoryError(f"{dl.where(row)}: delivery has {has} but not the other (the "
+                           "target writes both or neither): the log is damaged")
     del dl
 
     # Worker events, merged over every worker of every directory. Only writes need a field
@@ -1138,7 +1154,7 @@ def _load(run_dirs: Sequence[Path]) -> _History:
         ends = nem.number("end", "fault", required=False, time=True)
         attempts = nem.number("attempt", "fault", required=False)
         for row, kind in enumerate(nem.columns["fault"]):
-            if kind not in _KNOWN_FAULTS:
+            if not isinstance(kind, str) or kind not in _KNOWN_FAULTS:
                 raise HistoryError(f"{nem.where(row)}: unknown fault kind {kind!r}")
             faults.append({
                 "fault": kind,
@@ -2055,6 +2071,7 @@ def _judge(h: _History, tolerance: float) -> tuple[_Findings, list[str], dict[st
         shown = ", ".join(map(str, silent[:5])) + (" ..." if len(silent) > 5 else "")
         unknown.append(f"no worker event log for {shown}, though the target saw its "
                        "deliveries")
+        details["workers_without_log"] = len(silent)
     failing, failed_calls = _never_succeeded(h)
     unknown.extend(failing)
     if failed_calls:
@@ -2265,12 +2282,15 @@ _CUT_MAY_CAUSE: dict[str, frozenset[str]] = {
 }
 
 
-def _unjudged_kinds(history: _History, enqueued_jobs: int) -> frozenset[str]:
-    """The violation kinds not reported from this history: those a cut log may cause, and
-    every kind when nothing was enqueued (the deliveries' enqueues may be elsewhere)."""
+def _unjudged_kinds(history: _History, enqueued_jobs: int,
+                    worker_log_missing: bool) -> frozenset[str]:
+    """The violation kinds not reported from this history: those a cut log may cause (a
+    worker's log missing altogether is a workers/ log cut before its first line), and every
+    kind when nothing was enqueued (the deliveries' enqueues may be elsewhere)."""
     if not enqueued_jobs:
         return frozenset(VIOLATION_KEYS)
-    return frozenset().union(*(_CUT_MAY_CAUSE[kind] for kind in history.cut.values()))
+    kinds = frozenset().union(*(_CUT_MAY_CAUSE[kind] for kind in history.cut.values()))
+    return kinds | _CUT_MAY_CAUSE[WORKERS_DIR] if worker_log_missing else kinds
 
 
 def check_run(run_dirs: Sequence[Path], *,
@@ -2289,19 +2309,23 @@ def check_run(run_dirs: Sequence[Path], *,
     unknown.extend(history.truncated)
     if history.config.exit_reason != "completed":
         unknown.append(f"the run ended with {history.config.exit_reason!r}")
-    if found.counts["delivered"] and not len(history.events):
+    no_events = bool(found.counts["delivered"]) and not len(history.events)
+    if no_events:
         unknown.append("deliveries were recorded but no worker events: nothing can explain a "
                        "redelivery")
     # Violations win over unknown, except those a part of the history that is missing may
     # have caused: they are counted, and not reported as violations.
-    unjudged = _unjudged_kinds(history, len(history.job_ids))
+    worker_log_missing = no_events or bool(details.get("workers_without_log"))
+    unjudged = _unjudged_kinds(history, len(history.job_ids), worker_log_missing)
     held = {k: found.counts[k] for k in VIOLATION_KEYS if found.counts[k] > 0 and k in unjudged}
     if held:
         cut = list(history.cut)
         why = ("nothing was enqueued (its enqueues.csv may be in a directory not given)"
                if not len(history.job_ids) else
                f"{', '.join(cut[:3])}{' ...' if len(cut) > 3 else ''} was cut off and may "
-               "have lost the records that decide them")
+               "have lost the records that decide them" if cut else
+               "a worker's event log is missing, and may have held the events that explain "
+               "them")
         unknown.append(f"not judged: {', '.join(f'{n} {k}' for k, n in held.items())}: {why}")
         details["not_judged"] = held
     valid: Valid

@@ -582,7 +582,10 @@ def parse_header(path: Path, line: str, log: LogFormat) -> list[str]:
     if line.startswith("\ufeff"):
         raise HistoryError(f"{path}:1 starts with a byte-order mark: save it as UTF-8 "
                            "without one")
-    names = next(csv.reader([line]), [])
+    try:
+        names = next(csv.reader([line]), [])
+    except csv.Error:  # a carriage return or other line break inside the line
+        names = []
     if not names or not set(names) & set(log.names):
         raise HistoryError(f"{path}:1 is not a header of {log.what} columns")
     if len(set(names)) != len(names):

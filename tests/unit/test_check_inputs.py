@@ -468,3 +468,96 @@ def test_read_json_names_what_is_wrong(tmp_path: Path) -> None:
         read_json(path)
     path.write_text('{"a": 1}')
     assert read_json(path) == {"a": 1}
+
+
+# --------------------------------------------------------------------------------------------
+# Damage the property test of the CLI found: each is bad input (HistoryError), never a crash.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["[]", "{}", "[\"kill_worker\"]", "5", "null"])
+def test_a_fault_kind_that_is_not_a_string_is_refused(tmp_path: Path, kind: str) -> None:
+    run_dir = good_run(tmp_path)
+    (run_dir / "nemesis.jsonl").write_text(f'{{"fault":{kind},"start":1.0}}\n')
+    with pytest.raises(HistoryError, match=r"nemesis\.jsonl:1"):
+        check_run([run_dir])
+
+
+def test_a_string_in_nemesis_that_is_not_utf8_is_refused(tmp_path: Path) -> None:
+    run_dir = good_run(tmp_path)
+    (run_dir / "nemesis.jsonl").write_bytes(b'{"fault":"pin_xmin","start":1.0,"end":2.0}\n'
+                                            b'{"fault":"pin_xmin","start":1.0,"target":"\xff"}\n')
+    with pytest.raises(HistoryError, match=r"nemesis\.jsonl:2 is not valid JSON \(not UTF-8\)"):
+        check_run([run_dir])
+
+
+@pytest.mark.parametrize("damage", ["\r", "\rjob_id", "a\rb,c"])
+def test_a_header_with_a_carriage_return_is_not_a_header(tmp_path: Path, damage: str) -> None:
+    run_dir = good_run(tmp_path)
+    log = run_dir / "deliveries" / "target-0.csv"
+    header, rest = log.read_text().split("\n", 1)
+    log.write_text(damage + header + "\n" + rest)
+    with pytest.raises(HistoryError, match=r"target-0\.csv:1 is not a header"):
+        check_run([run_dir])
+
+
+@pytest.mark.parametrize("blank", ["status", "answered"])
+def test_a_delivery_answered_without_a_status_is_refused(tmp_path: Path, blank: str) -> None:
+    """The target writes both or neither; judging one without the other would guess (a
+    2xx duplicate whose status was blanked would pass as a failed call)."""
+    run_dir = good_run(tmp_path)
+    log = run_dir / "deliveries" / "target-0.csv"
+    lines = log.read_text().splitlines()
+    names = lines[0].split(",")
+    cells = lines[1].split(",")
+    cells[names.index(blank)] = ""
+    lines[1] = ",".join(cells)
+    log.write_text("\n".join(lines) + "\n")
+    with pytest.raises(HistoryError, match=r"target-0\.csv:2: delivery has .* but not the "
+                                           r"other"):
+        check_run([run_dir])
+
+
+def test_a_missing_worker_log_holds_what_its_events_may_explain(tmp_path: Path) -> None:
+    """worker-0's log lost: its lost `write` may have failed (explaining the redelivery), so
+    the duplicate is not reported and the verdict is unknown, not violated."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED)
+    b.attempt(JOB, 1, claimed=100.0, worker="worker-0", write="applied")
+    b.attempt(JOB, 2, claimed=110.5, worker="worker-1")
+    b.final(JOB, "COMPLETED", attempts=2)
+    run_dir = b.write(tmp_path / "run")
+    assert check_run([run_dir]).valid is False  # whole, the duplicate is a violation
+    (run_dir / "workers" / "worker-0.csv").unlink()
+    verdict = check_run([run_dir])
+    assert verdict.valid == "unknown"
+    assert verdict.counts["duplicate_unexplained"] == 1
+    assert not_judged(verdict) == {"duplicate_unexplained": 1}
+    assert any("event log is missing" in r for r in verdict.unknown_reasons)
+
+
+def test_a_missing_worker_log_still_reports_a_stale_write(tmp_path: Path) -> None:
+    """What other records prove alone stands: an applied write after a later claim."""
+    b = RunBuilder()
+    b.enqueue(JOB, script=SUCCEED)
+    b.event("claim", "worker-0", 100.0, job_id=JOB, attempt=1, lease_token="t1",
+            locked_until=101.0)
+    b.deliver(JOB, attempt=1, received=100.01, answered=100.02, worker="worker-0")
+    b.event("claim", "worker-1", 102.0, job_id=JOB, attempt=2, lease_token="t2",
+            locked_until=103.0)
+    b.deliver(JOB, attempt=2, received=102.01, answered=102.02, worker="worker-1")
+    b.event("write", "worker-0", 104.0, job_id=JOB, attempt=1, outcome="success",
+            result="applied", error=None, started=104.0)
+    b.event("write", "worker-1", 102.1, job_id=JOB, attempt=2, outcome="success",
+            result="applied", error=None)
+    b.final(JOB, "COMPLETED", attempts=2)
+    run_dir = b.write(tmp_path / "run")
+    whole = check_run([run_dir])
+    assert whole.counts["stale_write"] == 1
+    b.deliver(JOB, attempt=3, received=105.0, answered=105.01, worker="worker-7")
+    run_dir = b.write(tmp_path / "run2")
+    verdict = check_run([run_dir])
+    assert any("worker-7" in r for r in verdict.unknown_reasons)
+    assert verdict.valid is False
+    assert verdict.counts["stale_write"] == 1
+    assert "stale_write" not in not_judged(verdict)

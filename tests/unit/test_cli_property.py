@@ -313,36 +313,9 @@ def check_common(o: Outcome, allowed: set[int]) -> None:
             assert lines[0].startswith("skiplock: "), o
 
 
-# Harness failures on bad input in files this test may not change, reported to their owners:
-# (commands, a pattern of the error line). Remove an entry once its bug is fixed.
-KNOWN_BUGS: tuple[tuple[frozenset[str], re.Pattern[str]], ...] = (
-    # reports/checker.py, faults: a nemesis.jsonl record whose "fault" is a JSON array or
-    # object is looked up in a frozenset (`kind not in _KNOWN_FAULTS`): TypeError, exit 4
-    # instead of "unknown fault kind" (exit 2).
-    (frozenset({"check"}), re.compile(r"harness failure: check: TypeError: unhashable type")),
-    # reports/history.py parse_header: a log whose header line holds a carriage return
-    # (`\r` before it, say) makes csv.reader raise csv.Error, which nothing maps: exit 4
-    # instead of "not a header" (exit 2).
-    (frozenset({"check"}), re.compile(r"harness failure: check: Error: new-line character")),
-    # reports/checker.py _strings: a byte that is not UTF-8 inside a string of nemesis.jsonl
-    # passes Arrow's JSON reader and fails later: ArrowException "Wrapping ... failed",
-    # exit 4 instead of "not UTF-8" (exit 2) as for the CSV logs.
-    (frozenset({"check"}), re.compile(r"harness failure: check: ArrowException: .*Wrapping")),
-    # reports/checker.py _judge (attempts_exceeded after a permanent failure): a delivery
-    # answered with no status (the header's `status` column renamed or damaged, so it reads
-    # as null) counts as a permanent failure, and its message does int(NaN): exit 4.
-    (frozenset({"check"}),
-     re.compile(r"harness failure: check: ValueError: cannot convert float NaN to integer")),
-)
-
-
-# Known bug, reported (reports/checker.py): with a worker's log missing, the checker says
-# so ("no worker event log for worker-1, though the target saw its deliveries", or "no worker
-# events: nothing can explain a redelivery" when none is left) and still reports what the
-# lost events may have explained (a duplicate its lost `info` write explains, say): exit 1
-# where the README's rule ("except those a missing part of the history may have caused")
-# gives 3. Set to False once fixed.
-KNOWN_MISSING_WORKER_LOG_BUG = True
+# Harness failures found by this test and not yet fixed: (commands, pattern of the last
+# stderr line). Each entry is a bug to report; an empty tuple means none is known.
+KNOWN_BUGS: tuple[tuple[frozenset[str], re.Pattern[str]], ...] = ()
 
 
 def _known_bug(o: Outcome) -> bool:
@@ -1394,7 +1367,6 @@ def test_damaged_histories_never_pass_for_whole_or_crash(
             missing = missing_required(run_dir)
             deleted_logs = [d for d in done if d.what == "delete"
                             and _log_group(Path(d.file)) in ("deliveries", "workers")]
-            no_worker_log = not any(run_dir.glob("workers/*.csv"))
             outcome = run_cli(argv, root)
             verdict_path = run_dir / "verdict.json"
             verdict = json.loads(verdict_path.read_text()) if verdict_path.exists() else None
@@ -1426,10 +1398,6 @@ def test_damaged_histories_never_pass_for_whole_or_crash(
             for gone in deleted_logs:
                 log = _log_group(Path(gone.file)) or ""
                 hidden = reported & NOT_REPORTED_WHEN_CUT[log]
-                if hidden and log == "workers" and KNOWN_MISSING_WORKER_LOG_BUG:
-                    _count("known_bugs", "check: violations a deleted worker log may hide"
-                                         + (" (none left)" if no_worker_log else ""))
-                    continue
                 assert not hidden, f"{gone.file} was deleted, yet {hidden} were reported"
 
     drive("damaged", prop, capsys)
