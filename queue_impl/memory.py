@@ -145,28 +145,25 @@ class InMemoryQueue:
                 for _, account in eligible[:batch]
             }
 
-            def open_account(job: _Job) -> bool:
-                if self._limits.get(job.account_id) is None:
-                    return True
-                return free.get(job.account_id, 0) > 0
+            # Step 2: each open account's own due work, oldest first, at most its share (a
+            # limited account's free slots, an unlimited one's the batch); then the oldest
+            # `batch` of all that, as the SQL's per-account index reads do.
+            def share(account: str) -> int:
+                if self._limits.get(account) is None:
+                    return batch
+                return min(free.get(account, 0), batch)
 
-            pending = sorted(
-                (
-                    (j.run_at, j.id)
-                    for j in self._jobs.values()
-                    if j.status is JobStatus.PENDING and j.run_at <= now and open_account(j)
-                ),
-            )[:batch]
-            retrying = sorted(
-                (
-                    (j.next_attempt_at, j.id)
-                    for j in self._jobs.values()
-                    if j.status is JobStatus.RETRYING
-                    and j.next_attempt_at is not None
-                    and j.next_attempt_at <= now
-                    and open_account(j)
-                ),
-            )[:batch]
+            def due_by_account(status: JobStatus) -> list[tuple[datetime, uuid.UUID]]:
+                by_account: dict[str, list[tuple[datetime, uuid.UUID]]] = {}
+                for j in self._jobs.values():
+                    due = _due_at(j, now)
+                    if j.status is status and due is not None:
+                        by_account.setdefault(j.account_id, []).append((due, j.id))
+                return [c for account, due in by_account.items()
+                        for c in sorted(due)[:share(account)]]
+
+            pending = due_by_account(JobStatus.PENDING)
+            retrying = due_by_account(JobStatus.RETRYING)
             candidates = sorted(pending + retrying)
             taken: dict[str, int] = {}
             picked: list[uuid.UUID] = []

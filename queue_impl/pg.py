@@ -26,7 +26,7 @@ from contextlib import contextmanager, suppress
 from datetime import datetime, timedelta
 from enum import Enum
 from pathlib import Path
-from typing import Any, assert_never, get_args
+from typing import Any, assert_never, cast, get_args
 
 import psycopg
 from psycopg import pq, sql
@@ -469,6 +469,22 @@ class PgQueue:
             try:
                 cur = conn.execute("EXPLAIN " + self._statements[block], params)
                 return [str(next(iter(row.values()))) for row in cur.fetchall()]
+            finally:
+                conn.rollback()
+
+    def explain_analyze(self, block: str, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The executed plan of a named block (EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)): the
+        top object, with "Plan" and "Execution Time". The statement runs, and is rolled
+        back."""
+        with self._tx(Role.ADMIN, commit=False) as conn:
+            try:
+                cur = conn.execute(
+                    "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + self._statements[block], params
+                )
+                row = cur.fetchone()
+                assert row is not None
+                plan = next(iter(row.values()))
+                return cast(dict[str, Any], plan[0])
             finally:
                 conn.rollback()
 

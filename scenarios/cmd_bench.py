@@ -9,6 +9,7 @@ import importlib
 # name -> (module exposing configure(parser) and run(args) -> int, help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "queue": ("scenarios.bench_queue", "queue-only throughput against the raw-SQL ceiling"),
+    "claim": ("scenarios.bench_claim", "one claim's cost as a full account's backlog grows"),
     "checker": ("reports.bench_checker", "seconds to check a synthetic history"),
     "target": ("chaos.bench_target", "the echo target's capacity on its own"),
     "recovery": ("scenarios.bench_recovery", "time back to the pre-fault rate after each fault"),

@@ -80,11 +80,15 @@ CREATE INDEX IF NOT EXISTS jobs_processing_lease ON jobs (locked_until)
 -- The per-account active count in the claim reads only the jobs in flight.
 CREATE INDEX IF NOT EXISTS jobs_processing_account ON jobs (account_id)
     WHERE status = 'PROCESSING';
--- "Does this limited account have due work?" (claim step 1) in one probe per account, instead
--- of walking the whole pending backlog of the other accounts. (The retrying backlog is small;
--- the planner reads it once through jobs_retrying.)
-CREATE INDEX IF NOT EXISTS jobs_pending_account ON jobs (account_id, run_at)
+-- Each account's due work in claim order: "does this limited account have due work?" (claim
+-- step 1) is one probe per account, and the claim (step 2) takes each account's share from
+-- its own stretch of these indexes, so a full account's backlog is never walked row by row.
+CREATE INDEX IF NOT EXISTS jobs_pending_by_account ON jobs (account_id, run_at, id)
     WHERE status = 'PENDING';
+CREATE INDEX IF NOT EXISTS jobs_retrying_by_account ON jobs (account_id, next_attempt_at, id)
+    WHERE status = 'RETRYING';
+-- Replaced by jobs_pending_by_account (which adds the id, the claim's tie-break).
+DROP INDEX IF EXISTS jobs_pending_account;
 
 -- One row per execution (per claim), keyed by its lease token: start, end, outcome, worker.
 CREATE TABLE IF NOT EXISTS job_attempts (
@@ -196,6 +200,10 @@ FOR NO KEY UPDATE OF a SKIP LOCKED;
 -- takes a fresh snapshot *after* step 1 got the account locks, so the active count below sees
 -- every PROCESSING row committed by whoever held those locks before us. Done as one statement
 -- with the locks, the count would use the snapshot from before the lock wait and over-admit.
+-- Each account's due rows are read from its own stretch of the per-account indexes, at most
+-- its share of them: the work is one probe per account plus the rows taken, however long the
+-- backlog of a full account (a single walk of the global due index would filter that whole
+-- backlog out row by row on every claim, the seeds' noisy neighbour).
 WITH
 -- Free slots of each account we locked: its limit minus the jobs it has in flight.
 active AS (
@@ -205,33 +213,48 @@ active AS (
     WHERE a.id = ANY(%(locked_accounts)s::text[])
     GROUP BY a.id, a.concurrency_limit
 ),
--- Limited accounts we may not claim for: locked by another claimer, or full.
-closed AS (
-    SELECT a.id
-    FROM accounts AS a
-    WHERE a.concurrency_limit IS NOT NULL
-      AND a.id NOT IN (SELECT account_id FROM active WHERE free > 0)
+-- What each account may take this round: a limited account we locked, its free slots (full
+-- ones, and those another claimer locked, take nothing); an unlimited account, the batch.
+quota AS (
+    SELECT account_id, LEAST(free, %(batch)s) AS take FROM active WHERE free > 0
+    UNION ALL
+    SELECT a.id, %(batch)s FROM accounts AS a WHERE a.concurrency_limit IS NULL
 ),
--- Due PENDING rows, from the pending partial index in (run_at, id) order; SKIP LOCKED passes
--- over rows other claimers hold, so claimers never wait on each other.
+-- Due PENDING rows of each account, oldest first, from jobs_pending_by_account; SKIP LOCKED
+-- passes over rows other claimers hold, so claimers never wait on each other.
 pending AS (
-    SELECT j.id, j.account_id, j.run_at AS due_at
-    FROM jobs AS j
-    WHERE j.status = 'PENDING' AND j.run_at <= skiplock_now()
-      AND j.account_id NOT IN (SELECT id FROM closed)
-    ORDER BY j.run_at, j.id
-    LIMIT %(batch)s
-    FOR UPDATE OF j SKIP LOCKED
+    SELECT p.*
+    FROM quota AS q
+    CROSS JOIN LATERAL (
+        SELECT j.id, j.account_id, j.run_at AS due_at
+        FROM jobs AS j
+        -- account_id = q.account_id AND run_at <= now, written as two row comparisons: only
+        -- an index that leads with (account_id, run_at) can search on them, so the planner
+        -- cannot trade this account's stretch of jobs_pending_by_account for a walk of the
+        -- global jobs_pending that filters other accounts' rows out (with a parameter for the
+        -- account it cannot tell how many that walk would pass over).
+        WHERE j.status = 'PENDING'
+          AND (j.account_id, j.run_at) >= (q.account_id, '-infinity'::timestamptz)
+          AND (j.account_id, j.run_at) <= (q.account_id, skiplock_now())
+        ORDER BY j.account_id, j.run_at, j.id
+        LIMIT q.take
+        FOR UPDATE OF j SKIP LOCKED
+    ) AS p
 ),
--- Due RETRYING rows, from the retrying partial index in (next_attempt_at, id) order, same rules.
+-- Due RETRYING rows of each account, from jobs_retrying_by_account, same rules.
 retrying AS (
-    SELECT j.id, j.account_id, j.next_attempt_at AS due_at
-    FROM jobs AS j
-    WHERE j.status = 'RETRYING' AND j.next_attempt_at <= skiplock_now()
-      AND j.account_id NOT IN (SELECT id FROM closed)
-    ORDER BY j.next_attempt_at, j.id
-    LIMIT %(batch)s
-    FOR UPDATE OF j SKIP LOCKED
+    SELECT r.*
+    FROM quota AS q
+    CROSS JOIN LATERAL (
+        SELECT j.id, j.account_id, j.next_attempt_at AS due_at
+        FROM jobs AS j
+        WHERE j.status = 'RETRYING'
+          AND (j.account_id, j.next_attempt_at) >= (q.account_id, '-infinity'::timestamptz)
+          AND (j.account_id, j.next_attempt_at) <= (q.account_id, skiplock_now())
+        ORDER BY j.account_id, j.next_attempt_at, j.id
+        LIMIT q.take
+        FOR UPDATE OF j SKIP LOCKED
+    ) AS r
 ),
 -- Each account's candidates ranked oldest due first, so a limited account gets its free slots.
 ranked AS (

@@ -10,7 +10,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from scenarios import bench_queue
+from scenarios import bench_claim, bench_queue
+from scenarios.errors import UsageError
 
 pytestmark = pytest.mark.integration
 
@@ -55,3 +56,34 @@ def test_bench_queue_writes_a_self_describing_result(pg_dsn: str, tmp_path: Path
             "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'bench\\_%'"
         ).fetchone()
     assert row == (0,)
+
+
+def test_bench_claim_measures_each_backlog_and_leaves_nothing(pg_dsn: str,
+                                                              tmp_path: Path) -> None:
+    out = tmp_path / "claim.json"
+    parser = argparse.ArgumentParser()
+    bench_claim.configure(parser)
+    args = parser.parse_args(["--backlogs", "50,500", "--repeat", "3", "--batch", "10",
+                              "--dsn", pg_dsn, "--out", str(out)])
+    assert bench_claim.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert [s["backlog"] for s in doc["sizes"]] == [50, 500]
+    for size in doc["sizes"]:
+        # The other two accounts' due work fills the batch; the full account gives nothing.
+        assert size["claimed"] == 10
+        assert 0 < size["p50_ms"] <= size["p99_ms"]
+        assert size["buffers"] > 0
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_namespace WHERE nspname LIKE %s",
+                           (bench_claim.SCHEMA_PREFIX + "%",)).fetchone()
+    assert row == (0,)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--backlogs", "10,x"), ("--backlogs", "0"),
+                                             ("--repeat", "0")])
+def test_bench_claim_refuses_bad_input(flag: str, value: str, tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    bench_claim.configure(parser)
+    args = parser.parse_args([flag, value, "--out", str(tmp_path / "x.json")])
+    with pytest.raises(UsageError, match=flag):
+        bench_claim.run(args)

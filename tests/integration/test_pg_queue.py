@@ -30,6 +30,7 @@ from queue_impl.interface import (
 from queue_impl.pg import PgQueue
 from queue_impl.plugins import BackendSpec
 from queue_impl.sqlfile import SqlFileError
+from scenarios.bench_claim import plan_work
 
 pytestmark = pytest.mark.integration
 
@@ -354,15 +355,60 @@ def test_partial_indexes_serve_the_claim_and_recovery(queue: PgQueue, pg_dsn: st
         conn.execute("ANALYZE accounts")
     params = {"locked_accounts": ["l"], "batch": 10, "lease": LEASE, "worker_id": "w"}
     claim_plan = "\n".join(queue.explain("claim", params))
-    for index in ("jobs_pending", "jobs_retrying", "jobs_processing_account"):
+    for index in ("jobs_pending_by_account", "jobs_retrying_by_account",
+                  "jobs_processing_account"):
         assert index in claim_plan, claim_plan
     assert "Seq Scan on jobs" not in claim_plan, claim_plan
     lock_plan = "\n".join(queue.explain("claim_lock_accounts", {"batch": 10}))
-    assert "jobs_pending_account" in lock_plan, lock_plan
+    assert "jobs_pending_by_account" in lock_plan, lock_plan
     assert "Seq Scan on jobs" not in lock_plan, lock_plan
     recover_plan = "\n".join(queue.explain("recover", {"limit": 100}))
     assert "jobs_processing_lease" in recover_plan, recover_plan
     assert "Seq Scan on jobs" not in recover_plan, recover_plan
+
+
+def test_a_full_accounts_backlog_costs_the_claim_nothing(queue: PgQueue, pg_dsn: str) -> None:
+    """The seeds' noisy neighbour: one account at its limit with 100k due jobs, older than
+    everyone else's. A claim must take the other accounts' work without walking that
+    backlog: the rows it filters out and the buffers it touches stay small, not ~100k rows
+    and ~2k buffers as a walk of the global due index costs."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(queue.schema)))
+        conn.execute("INSERT INTO accounts (id, concurrency_limit) "
+                     "VALUES ('full', 2), ('open', 5), ('free', NULL)")
+        conn.execute(
+            """
+            INSERT INTO jobs (id, account_id, target_url, payload, status, run_at, attempts,
+                locked_until, lease_token)
+            SELECT gen_random_uuid(), 'full', 'http://t/', '{}', 'PROCESSING',
+                now() - interval '2 hours', 1, now() + interval '1 hour', gen_random_uuid()
+            FROM generate_series(1, 2)
+            """
+        )
+        conn.execute(
+            """
+            INSERT INTO jobs (id, account_id, target_url, payload, run_at)
+            SELECT gen_random_uuid(), 'full', 'http://t/', '{}'::jsonb,
+                now() - interval '1 hour' + i * interval '1 ms'
+            FROM generate_series(1, 100000) AS i
+            UNION ALL
+            SELECT gen_random_uuid(), a, 'http://t/', '{}', now() - interval '1 minute'
+            FROM unnest(ARRAY['open', 'free']) AS a, generate_series(1, 20)
+            """
+        )
+        conn.execute("VACUUM ANALYZE jobs")
+        conn.execute("ANALYZE accounts")
+    locked = ["open"]
+    params = {"locked_accounts": locked, "batch": 10, "lease": LEASE, "worker_id": "w"}
+    plan = queue.explain_analyze("claim", params)
+    removed, buffers = plan_work(plan["Plan"])
+    assert plan["Plan"]["Actual Rows"] == 10, plan  # it did claim
+    assert removed < 100, f"{removed} rows filtered out"
+    assert buffers < 200, f"{buffers} buffers touched"
+    lock_plan = queue.explain_analyze("claim_lock_accounts", {"batch": 10})
+    removed, buffers = plan_work(lock_plan["Plan"])
+    assert removed < 100, f"claim_lock_accounts filtered out {removed} rows"
+    assert buffers < 200, f"claim_lock_accounts touched {buffers} buffers"
 
 
 def test_for_update_variant_waits_where_the_reference_skips(

@@ -1,0 +1,192 @@
+"""`skiplock bench claim`: what one claim costs when a full account has a long backlog (the
+seeds' noisy neighbour), at several backlog sizes side by side in one run.
+
+For each size N, a fresh schema holds one account at its limit (2 of 2 jobs in flight) with N
+due jobs older than everyone else's, one limited account with free slots and one unlimited
+account, each with 20 due jobs. A claim (both statements of the queue's claim, in one
+transaction) of a batch is run `--repeat` times and rolled back each time, so every claim
+sees the same table. It prints, per size, the claim's p50 and p99 wall time (round trips
+included), and from one executed plan (EXPLAIN ANALYZE, BUFFERS) of the claim statement the
+rows its scans filtered out and the buffers it touched: a claim whose cost does not grow with
+a full account's backlog keeps all three flat. `--sql FILE` measures your claim instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from queue_impl.sqlfile import statements_and_sources
+from reports.selfdescribe import describe
+from scenarios.errors import UsageError
+from scenarios.provision import postgres
+
+SCHEMA_PREFIX = "skiplock_bench_claim"
+OTHER_DUE = 20
+DEFAULT_BACKLOGS = (1_000, 100_000)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SizeResult:
+    backlog: int
+    claimed: int
+    p50_ms: float
+    p99_ms: float
+    execution_ms: float  # the claim statement's, from EXPLAIN ANALYZE
+    rows_filtered: int
+    buffers: int
+    fill_seconds: float
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backlogs", default=",".join(map(str, DEFAULT_BACKLOGS)),
+                        help="due jobs of the full account, comma-separated (default "
+                             "1000,100000)")
+    parser.add_argument("--batch", type=int, default=10, help="jobs per claim (default 10)")
+    parser.add_argument("--repeat", type=int, default=200,
+                        help="claims timed per size (default 200)")
+    parser.add_argument("--sql", default=None, metavar="FILE",
+                        help="your own claim blocks (as `skiplock run --sql`)")
+    parser.add_argument("--dsn", default=None,
+                        help="PostgreSQL DSN (default: SKIPLOCK_PG_DSN, else embedded)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON result file (default ./bench-results/claim-TIMESTAMP.json)")
+
+
+def _backlogs(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(f"--backlogs must be whole numbers separated by commas, got {text!r}") \
+            from None
+    if not sizes or any(n < 1 or n > 50_000_000 for n in sizes):
+        raise UsageError(f"--backlogs must each be between 1 and 50000000, got {text!r}")
+    return sizes
+
+
+def run(args: argparse.Namespace) -> int:
+    backlogs = _backlogs(args.backlogs)
+    for name in ("batch", "repeat"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    try:
+        statements, _ = statements_and_sources(args.sql)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--sql {args.sql}: {exc}") from None
+    out = args.out or Path("bench-results") / f"claim-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a directory; give a file name")
+    with postgres(args.dsn, durable=True) as server:
+        settings = server.settings()
+        print(f"server: {server.kind} {server.display}, PostgreSQL "
+              f"{settings['server_version']}; batch {args.batch}, {args.repeat} claims per size",
+              flush=True)
+        results = [measure(server.dsn, statements, n, args.batch, args.repeat)
+                   for n in backlogs]
+    base = results[0]
+    print(f"{'backlog':>10} {'p50 ms':>8} {'p99 ms':>8} {'exec ms':>8} {'filtered':>9} "
+          f"{'buffers':>8} {'claimed':>8} {'p50 x':>6}")
+    for r in results:
+        print(f"{r.backlog:>10,} {r.p50_ms:>8.2f} {r.p99_ms:>8.2f} {r.execution_ms:>8.2f} "
+              f"{r.rows_filtered:>9,} {r.buffers:>8,} {r.claimed:>8} "
+              f"{r.p50_ms / base.p50_ms:>6.2f}")
+    doc = {"benchmark": "claim", "finished_at": datetime.now(UTC).isoformat(),
+           "params": {"backlogs": backlogs, "batch": args.batch, "repeat": args.repeat,
+                      "sql": args.sql},
+           "postgres": settings, "durable": settings["durable"],
+           "server": {"kind": server.kind, "dsn": server.display}, **describe(),
+           "sizes": [asdict(r) for r in results]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print(f"written: {out}")
+    return 0
+
+
+def measure(dsn: str, statements: dict[str, str], backlog: int, batch: int,
+            repeat: int) -> SizeResult:
+    schema = f"{SCHEMA_PREFIX}_{backlog}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+        conn.execute(statements["schema"])
+        started = time.perf_counter()
+        _fill(conn, backlog)
+        fill_seconds = time.perf_counter() - started
+    try:
+        with psycopg.connect(dsn) as conn:
+            conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+            conn.commit()
+            params = {"batch": batch, "lease": timedelta(seconds=60), "worker_id": "bench"}
+            times: list[float] = []
+            claimed = 0
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                locked = [row[0] for row in
+                          conn.execute(statements["claim_lock_accounts"], params).fetchall()]
+                claimed = len(conn.execute(statements["claim"],
+                                           {**params, "locked_accounts": locked}).fetchall())
+                conn.rollback()
+                times.append((time.perf_counter() - t0) * 1000)
+            locked = [row[0] for row in
+                      conn.execute(statements["claim_lock_accounts"], params).fetchall()]
+            row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statements["claim"],
+                               {**params, "locked_accounts": locked}).fetchone()
+            conn.rollback()
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE")
+                         .format(sql.Identifier(schema)))
+    assert row is not None
+    plan = row[0][0]
+    filtered, buffers = plan_work(plan["Plan"])
+    times.sort()
+    return SizeResult(backlog=backlog, claimed=claimed, p50_ms=statistics.median(times),
+                      p99_ms=times[min(len(times) - 1, int(len(times) * 0.99))],
+                      execution_ms=float(plan["Execution Time"]), rows_filtered=filtered,
+                      buffers=buffers, fill_seconds=round(fill_seconds, 2))
+
+
+def _fill(conn: psycopg.Connection[Any], backlog: int) -> None:
+    """Set-based: the full account's in-flight pair and backlog, the others' due jobs."""
+    conn.execute("INSERT INTO accounts (id, concurrency_limit) "
+                 "VALUES ('full', 2), ('open', 5), ('free', NULL)")
+    conn.execute(
+        "INSERT INTO jobs (id, account_id, target_url, payload, status, run_at, attempts, "
+        "locked_until, lease_token) "
+        "SELECT gen_random_uuid(), 'full', 'http://t/', '{}'::jsonb, 'PROCESSING', "
+        "now() - interval '2 hours', 1, now() + interval '1 hour', gen_random_uuid() "
+        "FROM generate_series(1, 2)")
+    conn.execute(
+        "INSERT INTO jobs (id, account_id, target_url, payload, run_at) "
+        "SELECT gen_random_uuid(), 'full', 'http://t/', '{}'::jsonb, "
+        "now() - interval '1 hour' + i * interval '1 us' FROM generate_series(1, %s) AS i "
+        "UNION ALL "
+        "SELECT gen_random_uuid(), a, 'http://t/', '{}'::jsonb, now() - interval '1 minute' "
+        "FROM unnest(ARRAY['open', 'free']) AS a, generate_series(1, %s)",
+        (backlog, OTHER_DUE))
+    conn.execute("VACUUM ANALYZE jobs")
+    conn.execute("ANALYZE accounts")
+
+
+def plan_work(node: dict[str, Any]) -> tuple[int, int]:
+    """(rows removed by filters over every node, buffers the top node touched: each node's
+    count includes its children's)."""
+    removed = int(node.get("Rows Removed by Filter", 0)) + int(
+        node.get("Rows Removed by Join Filter", 0))
+    for child in node.get("Plans", []):
+        removed += plan_work(child)[0]
+    return removed, int(node.get("Shared Hit Blocks", 0)) + int(node.get("Shared Read Blocks", 0))
+
+
+__all__: Sequence[str] = ("configure", "measure", "plan_work", "run")
