@@ -1,12 +1,17 @@
 """The HTTP dispatcher: the loop each worker process runs.
 
-Claim a batch in one short transaction, commit, execute the batch concurrently over HTTP with
-no transaction open, then write every result back in one call. Leases bound how long a job
-may be held: the HTTP timeout (which covers name resolution and the call together) plus a
-margin for the result write must fit inside the lease, or another worker may take the job
-while this one is still running it (`validate`). With renewal on, every lease of the batch is
-extended until its result is written, so a slow call does not cost its finished batch-mates
-their leases while they wait for the shared write.
+Each worker keeps up to `batch` calls in flight (its slots). Whenever slots are free it claims
+that many jobs in one short transaction and commits; each call runs over HTTP with no
+transaction open, and its result joins a small write buffer flushed in one call as soon as
+the previous flush is done (so results are written in batches under load, one by one when
+idle), while the freed slot is claimed again. A slow or hanging call holds only its own slot:
+its batch-mates' results are written, and their slots refilled, without waiting for it.
+Leases bound how long a job may be held: the HTTP timeout (which covers name resolution and
+the call together) plus a margin for the result write must fit inside the lease, or another
+worker may take the job while this one is still running it (`validate`). With renewal on,
+each lease is extended once half of it has passed and until its result is written. A result
+write that fails is retried a few times (it is fenced, so resending it is safe) before it is
+given up as unknown.
 
 The lease's clock starts at the claim's UPDATE, not at its COMMIT, so a commit that stalls (a
 stalled synchronous standby, a backend frozen in the transaction) can hand the worker leases
@@ -59,6 +64,7 @@ from queue_impl.interface import (
     Lease,
     Outcome,
     QueueBackend,
+    WriteResult,
 )
 from queue_impl.retry import RetryPolicy, classify_status
 from queue_impl.ssrf import (
@@ -93,6 +99,13 @@ HttpResultName = Literal["ok", "http_error", "timeout", "connection_error", "ref
 # The `reason` of a `release` event for leases given back because too little of them was left.
 LEASE_TOO_SHORT = "lease too short to send"
 
+# A failed result write is sent again after these pauses (it is fenced, so a resend of a write
+# that did commit changes nothing), then given up as unknown.
+WRITE_RETRY_PAUSES = (0.05, 0.25)
+# With fewer than half its slots free and calls in flight, a worker waits this long for more
+# slots to free before claiming, so that a busy worker claims in batches, not one by one.
+REFILL_GATHER_SECONDS = 0.01
+
 
 class ConfigError(ValueError):
     """A dispatcher setting that cannot work; the message is one line saying what to fix."""
@@ -117,6 +130,10 @@ class DispatcherConfig:
     recovery_enabled: bool = True
     recovery_interval_seconds: float = 1.0
     renew_leases: bool = True
+    # Refill freed slots while other calls run (True), or the batch barrier: claim a batch,
+    # wait for its slowest call, write all its results, claim again (False; also used for a
+    # backend whose claim stays open until its results are written, as pg-long-tx's does).
+    refill: bool = True
     retry_base_seconds: float = 1.0
     retry_cap_seconds: float = 60.0
     retry_jitter: float = 0.5
@@ -212,6 +229,16 @@ def _iso(when: datetime) -> str:
     return when.isoformat()
 
 
+@dataclass(kw_only=True)
+class _Held:
+    """A lease this worker holds until its result is written: the lease as last granted
+    (renewals replace it) and when that grant was sent, on the monotonic clock."""
+
+    lease: Lease
+    granted_after: float
+    lost: bool = False  # a renewal found it gone: never renewed again
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Call:
     """One HTTP call as it ended."""
@@ -253,6 +280,17 @@ class Dispatcher:
         self._stop_reason = "stopped"
         self._next_recovery = 0.0
         self._failpoint_cache: tuple[object, dict[str, float]] = (None, {})
+        # Refill mode's state (all touched on the event loop only): leases held by token,
+        # calls in flight, results waiting for the writer.
+        self._held: dict[Any, _Held] = {}
+        self._calls: set[asyncio.Task[None]] = set()
+        self._results: list[tuple[Any, _Call]] = []
+        self._slot_freed = asyncio.Event()
+        self._results_ready = asyncio.Event()
+        self._draining = False
+        # Held around each renewal and each result write: a renewal never runs alongside the
+        # write of a lease it renews (it would find the lease gone and call it lost).
+        self._lease_io = asyncio.Lock()
         if config.failpoint_file is not None and hasattr(backend, "claim_commit_hook"):
             backend.claim_commit_hook = self._stall_in_claim
 
@@ -293,24 +331,217 @@ class Dispatcher:
             async with aiohttp.ClientSession(
                 connector=connector, raise_for_status=False, auto_decompress=True
             ) as session:
-                while not self.stopping:
-                    await self._maybe_recover()
-                    if self.stopping:
-                        break
-                    claim_sent = time.monotonic()
-                    leases = await self._claim()
-                    if leases is None:
-                        continue
-                    if not leases:
-                        await self._idle()
-                        continue
-                    await self._run_batch(session, resolver, leases, claim_sent)
+                if self.config.refill and not getattr(self.backend, "holds_claims", False):
+                    await self._refill_loop(session, resolver)
+                else:
+                    await self._barrier_loop(session, resolver)
         except BaseException as exc:
             self._stop_reason = f"error: {type(exc).__name__}: {_one_line(exc)}"
             raise
         finally:
             self.emit("stop", reason=self._stop_reason)
             await self._reconnect()
+
+    async def _barrier_loop(
+        self, session: aiohttp.ClientSession, resolver: PinnedResolver
+    ) -> None:
+        """Claim a batch, run it, write all its results, claim again."""
+        while not self.stopping:
+            await self._maybe_recover()
+            if self.stopping:
+                break
+            claim_sent = time.monotonic()
+            leases = await self._claim(self.config.batch)
+            if leases is None:
+                continue
+            if not leases:
+                await self._idle()
+                continue
+            await self._run_batch(session, resolver, leases, claim_sent)
+
+    async def _refill_loop(
+        self, session: aiohttp.ClientSession, resolver: PinnedResolver
+    ) -> None:
+        """Keep up to `batch` calls in flight: claim whatever slots are free, start each
+        call at once, hand each result to the writer as it ends. On stop, in-flight calls
+        finish (bounded by the HTTP timeout) and every result is written before returning."""
+        writer = asyncio.create_task(self._write_loop())
+        renewer = asyncio.create_task(self._renew_loop()) if self.config.renew_leases else None
+        try:
+            while not self.stopping:
+                await self._maybe_recover()
+                if self.stopping:
+                    break
+                self._slot_freed.clear()
+                free = self.config.batch - len(self._calls)
+                if free <= 0:
+                    await self._wait_or_stop(self._slot_freed, self.config.poll_seconds)
+                    continue
+                if self._calls and free < (self.config.batch + 1) // 2:
+                    # Busy: let a few more slots free up, and claim them together.
+                    await self._wait_or_stop(self._slot_freed, REFILL_GATHER_SECONDS)
+                    free = self.config.batch - len(self._calls)
+                    self._slot_freed.clear()
+                claim_sent = time.monotonic()
+                leases = await self._claim(free)
+                if leases is None:
+                    continue
+                if leases:
+                    self._start_calls(session, resolver, leases, claim_sent)
+                    if self.stopping or len(leases) == free:
+                        continue
+                # Nothing (more) is due. Idle, wait for a notification; busy, for a slot to
+                # free (new work is then claimed with it) or the poll interval.
+                if self._calls:
+                    await self._wait_or_stop(self._slot_freed, self.config.poll_seconds)
+                else:
+                    await self._idle()
+        finally:
+            if self._calls:
+                await asyncio.gather(*list(self._calls), return_exceptions=True)
+            self._draining = True
+            self._results_ready.set()
+            await asyncio.gather(writer, return_exceptions=True)
+            if renewer is not None:
+                renewer.cancel()
+                await asyncio.gather(renewer, return_exceptions=True)
+
+    async def _wait_or_stop(self, event: asyncio.Event, seconds: float) -> None:
+        """Wait for `event`, a stop request, or `seconds`, whichever comes first."""
+        waits = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._stopping.wait())]
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+    def _start_calls(
+        self,
+        session: aiohttp.ClientSession,
+        resolver: PinnedResolver,
+        leases: list[Lease],
+        claim_sent: float,
+    ) -> None:
+        """Log the claim, then start each call (unless a stop came, or the claim took so long
+        that too little of its leases is surely left: those are given back unsent)."""
+        claimed_at = time.monotonic()
+        for lease in leases:
+            self.emit(
+                "claim",
+                job_id=str(lease.job_id),
+                attempt=lease.attempt,
+                lease_token=str(lease.lease_token),
+                locked_until=_iso(lease.locked_until),
+            )
+        for lease in leases:
+            self._failpoint("crash_after_claim", lease)
+        if self.stopping:
+            self._spawn(self._release(leases))
+            return
+        if not self._lease_fits(leases, claim_sent, claimed_at):
+            self._spawn(self._release(leases, reason=LEASE_TOO_SHORT))
+            return
+        for lease in leases:
+            self._held[lease.lease_token] = _Held(lease=lease, granted_after=claim_sent)
+            self._spawn(self._call_and_queue(session, resolver, lease.lease_token))
+
+    def _spawn(self, work: Any) -> None:
+        """A task that holds a slot until it ends (a call, or a release)."""
+        task: asyncio.Task[None] = asyncio.create_task(work)
+        self._calls.add(task)
+        task.add_done_callback(self._slot_done)
+
+    def _slot_done(self, task: asyncio.Task[None]) -> None:
+        self._calls.discard(task)
+        self._slot_freed.set()
+
+    async def _call_and_queue(
+        self, session: aiohttp.ClientSession, resolver: PinnedResolver, token: Any
+    ) -> None:
+        call = await self._execute(session, resolver, self._held[token].lease)
+        self._results.append((token, call))
+        self._results_ready.set()
+
+    async def _write_loop(self) -> None:
+        """Write results as they come: whatever gathered while the previous write ran goes
+        in the next one. Returns once draining and nothing is left."""
+        while True:
+            if not self._results:
+                if self._draining:
+                    return
+                self._results_ready.clear()
+                await self._results_ready.wait()
+                continue
+            batch, self._results = self._results, []
+            async with self._lease_io:
+                results = [self._result(self._held[token].lease, call) for token, call in batch]
+                await self._finish(results)
+                for token, _ in batch:
+                    self._held.pop(token, None)
+
+    async def _renew_loop(self) -> None:
+        """Extend each held lease once half of it has passed since it was granted, until its
+        result is written. A lease a renewal finds gone stays lost: its result will be
+        fenced."""
+        half = self.config.lease_seconds / 2
+        while True:
+            now = time.monotonic()
+            due_at = min(
+                (h.granted_after + half for h in self._held.values() if not h.lost),
+                default=now + half,
+            )
+            # Wake at least every quarter lease: a lease claimed meanwhile is due no sooner.
+            await asyncio.sleep(max(0.0, min(due_at - now, half / 2)))
+            async with self._lease_io:
+                now = time.monotonic()
+                due = [t for t, h in self._held.items()
+                       if not h.lost and h.granted_after + half <= now]
+                if due:
+                    await self._renew(due)
+
+    async def _renew(self, tokens: list[Any]) -> None:
+        renewed_at = time.monotonic()
+        leases = [self._held[t].lease for t in tokens]
+        try:
+            answers = await asyncio.to_thread(self.backend.renew, leases, self._lease)
+        except Exception as exc:
+            self._call_failed("renew", "lease renewal failed", exc)
+            await self._reconnect()
+            await asyncio.sleep(min(self.config.lease_seconds / 2, self.config.poll_seconds))
+            return
+        for token, lease, answer in zip(tokens, leases, answers, strict=True):
+            held = self._held[token]
+            if answer is None:
+                held.lost = True
+                self.emit("renew", job_id=str(lease.job_id), attempt=lease.attempt, lost=True)
+            else:
+                held.lease, held.granted_after = answer, renewed_at
+                self.emit(
+                    "renew",
+                    job_id=str(lease.job_id),
+                    attempt=lease.attempt,
+                    locked_until=_iso(answer.locked_until),
+                )
+
+    def _lease_fits(self, leases: Sequence[Lease], claim_sent: float, claimed_at: float) -> bool:
+        """Whether the call (its timeout covers the vetting) and the result write fit in what
+        is surely left of the leases. Their clock started at the claim's UPDATE, not its
+        COMMIT, so a commit that stalled can hand back leases that already ran out and that
+        another worker has recovered and is delivering: calling now would deliver those jobs
+        twice at once and over their accounts' limits. Every call of the claim starts right
+        after this check, before any renewal, so one check covers each of them.
+        `unsafe_timing` waives this rule as it waives the same rule in `validate`."""
+        left = lease_left(self.config.lease_seconds, granted_after=claim_sent,
+                          now=time.monotonic())
+        needed = self.config.http_timeout_seconds + self.config.write_margin_seconds
+        if left >= needed or self.config.unsafe_timing:
+            return True
+        _log(
+            f"{self.worker_id}: the claim took {claimed_at - claim_sent:.1f}s, so only "
+            f"{max(left, 0.0):.1f}s of its leases is sure to be left, less than the HTTP "
+            f"timeout + write margin ({needed:g}s): giving {len(leases)} job(s) back unsent"
+        )
+        return False
 
     async def _idle(self) -> None:
         """Nothing due: wait for a notification, or the poll interval."""
@@ -335,12 +566,12 @@ class Dispatcher:
         # what a checker needs to know when other calls failed.
         self.emit("recover", count=moved)
 
-    async def _claim(self) -> list[Lease] | None:
-        """A batch of leases; [] when nothing is due; None after a database error (the
+    async def _claim(self, count: int) -> list[Lease] | None:
+        """Up to `count` leases; [] when nothing is due; None after a database error (the
         claim may or may not have committed: its leases, if any, will expire)."""
         try:
             return await asyncio.to_thread(
-                self.backend.claim, self.worker_id, self.config.batch, self._lease
+                self.backend.claim, self.worker_id, count, self._lease
             )
         except Exception as exc:
             self._call_failed("claim", "claim failed", exc)
@@ -380,23 +611,8 @@ class Dispatcher:
         if self.stopping:
             await self._release(leases)
             return
-        # The leases' clock started at the claim's UPDATE, not its COMMIT, so a commit that
-        # stalled can hand back leases that already ran out and that another worker has
-        # recovered and is delivering: calling now would deliver those jobs twice at once and
-        # over their accounts' limits. Send only if the call (its timeout covers the vetting)
-        # and the result write fit in what is surely left; else give the leases back (the
-        # release is fenced where a lease passed on). Every call of the batch starts right
-        # below, before any renewal, so this one check from the claim covers each of them.
-        # `unsafe_timing` waives this rule as it waives the same rule in `validate`.
-        now = time.monotonic()
-        left = lease_left(self.config.lease_seconds, granted_after=claim_sent, now=now)
-        needed = self.config.http_timeout_seconds + self.config.write_margin_seconds
-        if left < needed and not self.config.unsafe_timing:
-            _log(
-                f"{self.worker_id}: the claim took {claimed_at - claim_sent:.1f}s, so only "
-                f"{max(left, 0.0):.1f}s of its leases is sure to be left, less than the HTTP "
-                f"timeout + write margin ({needed:g}s): giving {len(leases)} job(s) back unsent"
-            )
+        if not self._lease_fits(leases, claim_sent, claimed_at):
+            # Given back (the release is fenced where a lease passed on).
             await self._release(leases, reason=LEASE_TOO_SHORT)
             return
         current: dict[int, Lease] = dict(enumerate(leases))
@@ -563,32 +779,44 @@ class Dispatcher:
         # The event is logged after the commit, maybe much later if this process stalls; the
         # time the statement was sent is what a checker can compare with other workers' claims.
         started = time.time()
-        try:
-            written = await asyncio.to_thread(self.backend.finish, results)
-        except Exception as exc:
-            # The write may or may not have committed: unknown, not failed.
-            error = _one_line(exc)
-            self._call_failed("finish", "writing results failed", exc)
-            for result in results:
-                self.emit(
-                    "write",
-                    job_id=str(result.lease.job_id),
-                    attempt=result.lease.attempt,
-                    outcome=result.outcome.value,
-                    result="info",
-                    error=error,
-                    started=started,
-                )
-            await self._reconnect()
-            return
+        failed: str | None = None
+        for pause in (*WRITE_RETRY_PAUSES, None):
+            try:
+                written = await asyncio.to_thread(self.backend.finish, results)
+                break
+            except Exception as exc:
+                # The write may or may not have committed: unknown, not failed. It is fenced,
+                # so it is sent again: a resend of a write that committed changes nothing.
+                failed = _one_line(exc)
+                again = "" if pause is None else ", sending it again"
+                self._call_failed("finish", f"writing results failed{again}", exc)
+                await self._reconnect()
+                if pause is None:
+                    for result in results:
+                        self.emit(
+                            "write",
+                            job_id=str(result.lease.job_id),
+                            attempt=result.lease.attempt,
+                            outcome=result.outcome.value,
+                            result="info",
+                            error=failed,
+                            started=started,
+                        )
+                    return
+                await asyncio.sleep(pause)
         for result, write in zip(results, written, strict=True):
+            # After a failed send, "fenced" may be the first send having committed: unknown.
+            # "applied" is certain (had the first committed, the resend would be fenced).
+            value = write.value
+            if failed is not None and write is WriteResult.FENCED:
+                value = "info"
             self.emit(
                 "write",
                 job_id=str(result.lease.job_id),
                 attempt=result.lease.attempt,
                 outcome=result.outcome.value,
-                result=write.value,
-                error=result.error,
+                result=value,
+                error=result.error if failed is None or value == "applied" else failed,
                 started=started,
             )
 

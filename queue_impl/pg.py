@@ -113,6 +113,13 @@ class PgQueue:
     def __repr__(self) -> str:
         return f"PgQueue(variant={self.variant!r}, schema={self.schema!r})"
 
+    @property
+    def holds_claims(self) -> bool:
+        """Whether a claim stays uncommitted until its results are written (pg-long-tx): the
+        dispatcher then claims a batch only once the previous one is written, since a claim
+        sent meanwhile would join the open transaction and be committed with those results."""
+        return self.variant == "pg-long-tx"
+
     # -- connections ---------------------------------------------------------------------
 
     @property

@@ -123,6 +123,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-recovery", action="store_true", help="do not recover leases")
     parser.add_argument("--no-renew", action="store_true", help="do not renew long leases")
+    parser.add_argument("--barrier", action="store_true",
+                        help="claim a batch only once the previous one is written (the former "
+                             "loop), instead of refilling slots as calls end")
     parser.add_argument(
         "--unsafe-timing",
         action="store_true",
@@ -148,6 +151,7 @@ def build_config(args: argparse.Namespace) -> DispatcherConfig:
         poll_seconds=args.poll,
         recovery_enabled=not args.no_recovery,
         renew_leases=not args.no_renew,
+        refill=not args.barrier,
         allow_targets=tuple(args.allow_target),
         unsafe_timing=args.unsafe_timing,
         failpoints=tuple(args.failpoint),

@@ -258,6 +258,7 @@ def dispatcher_config(spec: ScenarioSpec, allow: tuple[str, ...]) -> DispatcherC
         recovery_enabled=spec.recovery,
         recovery_interval_seconds=spec.recovery_interval,
         renew_leases=spec.renew_leases,
+        refill=spec.refill,
         retry_base_seconds=spec.retry_base,
         retry_cap_seconds=spec.retry_cap,
         retry_jitter=spec.retry_jitter,

@@ -81,6 +81,8 @@ class ScenarioSpec:
     recovery: bool = True
     recovery_interval: float = 0.5
     renew_leases: bool = True
+    # Refill freed slots while other calls run; false: the batch barrier (see the README).
+    refill: bool = True
     unsafe_timing: bool = False
     # Retry policy and the oracle's max_attempts.
     retry_base: float = 0.2

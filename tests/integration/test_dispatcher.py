@@ -387,7 +387,7 @@ class LostWrite(PgQueue):
         return super().finish(results)
 
 
-def test_lost_connection_during_the_write_is_info_then_the_worker_goes_on(
+def test_a_write_that_lost_its_connection_is_sent_again_and_applied(
     queue: Queue, server: EchoServer
 ) -> None:
     config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
@@ -395,14 +395,73 @@ def test_lost_connection_during_the_write_is_info_then_the_worker_goes_on(
     states, events = run_until(
         queue, config, all_terminal, backend=LostWrite(queue.dsn, schema=queue.schema)
     )
+    assert [f["result"] for kind, f in events if kind == "write"] == ["applied"]
+    [error] = [f for kind, f in events if kind == "error"]
+    assert error["op"] == "finish" and "server closed the connection" in error["error"]
+    assert (states[job.id].status, states[job.id].attempts) == (JobStatus.COMPLETED, 1)
+    assert len(server.hits_for(job.id)) == 1
+
+
+class EveryWriteLost(PgQueue):
+    """The first three result writes (a send and its two resends) lose the connection."""
+
+    lost = 3
+
+    def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
+        if self.lost:
+            self.lost -= 1
+            self.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return super().finish(results)
+
+
+def test_a_write_lost_on_every_send_is_info_then_the_worker_goes_on(
+    queue: Queue, server: EchoServer
+) -> None:
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
+    [job] = enqueue(queue, server.url("/ok"))
+    states, events = run_until(
+        queue, config, all_terminal, backend=EveryWriteLost(queue.dsn, schema=queue.schema)
+    )
     writes = [f for kind, f in events if kind == "write"]
     assert [w["result"] for w in writes] == ["info", "applied"]
     assert "server closed the connection" in writes[0]["error"]
+    assert [f["op"] for kind, f in events if kind == "error"] == ["finish"] * 3
     # The unknown write never landed: the lease expired, recovery retried the job.
     assert states[job.id].status is JobStatus.COMPLETED
     assert states[job.id].attempts == 2
     assert any(kind == "recover" for kind, _ in events)
     assert len(server.hits_for(job.id)) == 2
+
+
+class CommittedThenLost(PgQueue):
+    """The first result write commits, then its answer is lost with the connection."""
+
+    lost = 1
+
+    def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
+        written = super().finish(results)
+        if self.lost:
+            self.lost -= 1
+            self.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return written
+
+
+def test_a_resent_write_that_had_committed_is_fenced_and_logged_as_unknown(
+    queue: Queue, server: EchoServer
+) -> None:
+    """The resend finds the lease gone (its own first send took it): "fenced" cannot tell
+    that from another worker's claim, so the write is logged as info, never as applied."""
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
+    [job] = enqueue(queue, server.url("/ok"))
+    states, events = run_until(
+        queue, config, all_terminal, backend=CommittedThenLost(queue.dsn, schema=queue.schema)
+    )
+    [write] = [f for kind, f in events if kind == "write"]
+    assert write["result"] == "info"
+    assert (states[job.id].status, states[job.id].attempts) == (JobStatus.COMPLETED, 1)
+    assert len(server.hits_for(job.id)) == 1
 
 
 def test_stop_arriving_during_the_claim_releases_the_leases(
@@ -662,12 +721,12 @@ def test_name_resolution_counts_against_the_http_timeout(queue: Queue, server: E
     assert len(server.hits_for(job.id)) == 1
 
 
-def test_fast_batch_mates_of_a_long_call_keep_their_leases_until_written(
+def test_fast_batch_mates_of_a_long_call_are_written_without_waiting_for_it(
     queue: Queue, server: EchoServer
 ) -> None:
-    # The batch's results are written together once its slowest call ends (1.6 s), well past
-    # the 1 s lease: the finished calls' leases must be renewed too, or recovery takes them
-    # back and redelivers them, and their writes are fenced.
+    # One claim takes a slow job (1.6 s, past the 1 s lease) and three fast ones. The fast
+    # results are written as they end, not held for the slow call; the slow call's lease
+    # alone is renewed, so a recovery pass after the first lease ran out moves nothing.
     config = replace(
         CONFIG,
         allow_targets=(f"127.0.0.1:{server.port}",),
@@ -688,14 +747,54 @@ def test_fast_batch_mates_of_a_long_call_keep_their_leases_until_written(
 
     states, events = run_until(queue, config, done)
     kinds = [kind for kind, _ in events]
-    assert kinds[: kinds.index("http")].count("claim") == 4, "the four jobs share one batch"
+    assert kinds[: kinds.index("http")].count("claim") == 4, "the four jobs share one claim"
     assert recovered == [0]
     for job in [slow, *fast]:
         assert (states[job.id].status, states[job.id].attempts) == (JobStatus.COMPLETED, 1)
         assert len(server.hits_for(job.id)) == 1
+    order = [(kind, f.get("job_id")) for kind, f in events if kind in ("http", "write")]
+    slow_call = order.index(("http", str(slow.id)))
+    for job in fast:
+        assert order.index(("write", str(job.id))) < slow_call, order
     writes = [f for kind, f in events if kind == "write"]
     assert sorted(w["job_id"] for w in writes) == sorted(str(j.id) for j in [slow, *fast])
     assert {w["result"] for w in writes} == {"applied"}
+    renewed = {f["job_id"] for kind, f in events if kind == "renew" and not f.get("lost")}
+    assert renewed == {str(slow.id)}
+
+
+def test_the_batch_barrier_holds_batch_mates_until_the_slowest_call(
+    queue: Queue, server: EchoServer
+) -> None:
+    # refill=False, the former loop (and pg-long-tx's): the fast results wait for the slow
+    # call, and their leases are renewed meanwhile so that none is recovered.
+    config = replace(
+        CONFIG,
+        allow_targets=(f"127.0.0.1:{server.port}",),
+        lease_seconds=1.0,
+        http_timeout_seconds=3.0,
+        unsafe_timing=True,
+        recovery_enabled=False,
+        refill=False,
+    )
+    [slow] = enqueue(queue, server.url("/slow"))
+    fast = enqueue(queue, server.url("/ok"), count=3)
+    recovered: list[int] = []
+
+    def done(states: dict[uuid.UUID, JobState]) -> bool:
+        hits = server.hits_for(slow.id)
+        if hits and not recovered and time.time() > hits[0].received + 1.2:
+            recovered.append(queue.recover())
+        return all_terminal(states)
+
+    states, events = run_until(queue, config, done)
+    assert recovered == [0]
+    for job in [slow, *fast]:
+        assert (states[job.id].status, states[job.id].attempts) == (JobStatus.COMPLETED, 1)
+    order = [(kind, f.get("job_id")) for kind, f in events if kind in ("http", "write")]
+    slow_call = order.index(("http", str(slow.id)))
+    for job in fast:
+        assert order.index(("write", str(job.id))) > slow_call, order
     renewed = {f["job_id"] for kind, f in events if kind == "renew" and not f.get("lost")}
     assert renewed == {str(j.id) for j in [slow, *fast]}
 
