@@ -122,7 +122,7 @@ def _load_main(
 # ----------------------------------------------------------------------------------------------
 
 
-def _cpu_seconds(pid: int) -> float | None:
+def cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds a process has used (Linux /proc), None elsewhere."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -204,9 +204,9 @@ def bench(
         TargetProcess(Path(tmp), name="bench") as target,
     ):
         assert target.pid is not None
-        cpu_before = _cpu_seconds(target.pid)
+        cpu_before = cpu_seconds(target.pid)
         results = _run_load(ctx, target.deliver_url, shares, warmup, duration)
-        cpu_after = _cpu_seconds(target.pid)
+        cpu_after = cpu_seconds(target.pid)
         target_stats = target.stats()
         log_bytes = target.deliveries_path.stat().st_size
 

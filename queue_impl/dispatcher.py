@@ -105,6 +105,9 @@ WRITE_RETRY_PAUSES = (0.05, 0.25)
 # With fewer than half its slots free and calls in flight, a worker waits this long for more
 # slots to free before claiming, so that a busy worker claims in batches, not one by one.
 REFILL_GATHER_SECONDS = 0.01
+# Past a backend's notify interval, before the claim that picks up un-notified enqueues: their
+# commits may land a little after the interval they started in.
+_RECHECK_SLACK = 0.01
 
 
 class ConfigError(ValueError):
@@ -288,6 +291,8 @@ class Dispatcher:
         self._slot_freed = asyncio.Event()
         self._results_ready = asyncio.Event()
         self._draining = False
+        # When the last notification woke this worker while idle (see `_idle`).
+        self._woken_at: float | None = None
         # Held around each renewal and each result write: a renewal never runs alongside the
         # write of a lease it renews (it would find the lease gone and call it lost).
         self._lease_io = asyncio.Lock()
@@ -544,9 +549,21 @@ class Dispatcher:
         return False
 
     async def _idle(self) -> None:
-        """Nothing due: wait for a notification, or the poll interval."""
+        """Nothing due: wait for a notification, or the poll interval. A backend that skips
+        the NOTIFY of enqueues closer together than its `notify_interval` gets one more claim
+        that long after each wake-up, so those jobs wait at most the interval."""
+        timeout = self.config.poll_seconds
+        interval = float(getattr(self.backend, "notify_interval", 0.0) or 0.0)
+        if self._woken_at is not None:
+            timeout = min(timeout, max(0.0, self._woken_at + interval + _RECHECK_SLACK
+                                       - time.monotonic()))
+            self._woken_at = None
+            if timeout <= 0:
+                return
         try:
-            await asyncio.to_thread(self.backend.wait_for_work, self.config.poll_seconds)
+            woken = await asyncio.to_thread(self.backend.wait_for_work, timeout)
+            if woken and interval > 0:
+                self._woken_at = time.monotonic()
         except Exception as exc:
             self._call_failed("wait", "waiting for work failed", exc)
             await self._reconnect()

@@ -18,8 +18,10 @@ Variants:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -69,6 +71,10 @@ _SNAPSHOT_COLUMNS = frozenset(
 )
 
 
+# See `PgQueue.enqueue`: at most one NOTIFY per this interval from one queue object.
+NOTIFY_INTERVAL_SECONDS = 0.02
+
+
 class Role(Enum):
     """One connection per role, so a transaction held by one (the long-tx variant's claim)
     never swallows another's statements."""
@@ -109,6 +115,7 @@ class PgQueue:
         # Called between a claim's statements and its COMMIT when it took rows (fault
         # injection: a worker frozen inside its claim transaction). None: nothing.
         self.claim_commit_hook: Callable[[], None] | None = None
+        self._last_notify = -math.inf
 
     def __repr__(self) -> str:
         return f"PgQueue(variant={self.variant!r}, schema={self.schema!r})"
@@ -331,9 +338,28 @@ class PgQueue:
             return
         check_jobs(jobs)
         params = _enqueue_params(jobs)
+        # At most one NOTIFY per `notify_interval` from this queue object: a transaction that
+        # notifies takes a lock at commit that every notifying transaction shares (measured:
+        # 8 clients inserting 10 rows each commit 1,430 times/s with a NOTIFY, 2,640 without),
+        # and wakes every idle worker. A worker woken by a notification claims once more that
+        # long after it (`Dispatcher._idle`), so the jobs of an enqueue that skipped its
+        # NOTIFY wait at most the interval, not the poll.
+        now = time.monotonic()
+        notify = now - self._last_notify >= NOTIFY_INTERVAL_SECONDS
         with self._tx(Role.ENQUEUE) as conn:
             self._run(conn, "enqueue", params)
-            self._run(conn, "notify", {"channel": self.channel})
+            if notify:
+                self._run(conn, "notify", {"channel": self.channel})
+        if notify:
+            # From the commit, which is when listeners wake: an enqueue that skips its
+            # NOTIFY starts within the interval after they woke.
+            self._last_notify = time.monotonic()
+
+    @property
+    def notify_interval(self) -> float:
+        """The longest an enqueue may go without a NOTIFY after the previous one (see
+        `enqueue`): a woken worker claims again this long after its wake-up."""
+        return NOTIFY_INTERVAL_SECONDS
 
     def claim(self, worker_id: str, batch: int, lease: timedelta) -> list[Lease]:
         if batch <= 0:

@@ -221,7 +221,8 @@ def measure(server: PgServer, params: Params) -> dict[str, Any]:
     return {"enqueue": enqueue, "queue": queue, "ceiling": ceiling}
 
 
-def _prefill(dsn: str, schema: str, count: int) -> dict[str, Any]:
+def _prefill(dsn: str, schema: str, count: int, *,
+             target_url: str = "http://127.0.0.1:9/deliver") -> dict[str, Any]:
     from queue_impl.interface import NewJob
     from queue_impl.pg import PgQueue
 
@@ -237,8 +238,8 @@ def _prefill(dsn: str, schema: str, count: int) -> dict[str, Any]:
                     NewJob(
                         id=uuid.uuid4(),
                         account_id=f"acct-{(done + i) % 8}",
-                        # Never called: this benchmark has no HTTP.
-                        target_url="http://127.0.0.1:9/deliver",
+                        # Never called by the queue-only phase (it has no HTTP).
+                        target_url=target_url,
                         payload={"n": done + i},
                         max_attempts=3,
                     )

@@ -264,7 +264,7 @@ ranked AS (
 ),
 -- Cut to the free slots of each limited account, then to the batch, oldest due first.
 picked AS (
-    SELECT r.id
+    SELECT r.id, r.due_at
     FROM ranked AS r
     LEFT JOIN active AS a ON a.account_id = r.account_id
     WHERE a.account_id IS NULL OR r.n <= a.free
@@ -282,14 +282,15 @@ claimed AS (
     FROM picked AS p
     WHERE j.id = p.id
     RETURNING j.id, j.account_id, j.target_url, j.payload, j.attempts, j.max_attempts,
-        j.lease_token, j.locked_until, j.locked_by
+        j.lease_token, j.locked_until, j.locked_by, p.due_at
 ),
 -- One attempts row per execution, so every delivery stays observable.
 logged AS (
     INSERT INTO job_attempts (lease_token, job_id, attempt, worker, started_at)
     SELECT lease_token, id, attempts, locked_by, skiplock_now() FROM claimed
 )
-SELECT * FROM claimed;
+-- Oldest due first, as they were picked (an UPDATE returns rows in no particular order).
+SELECT * FROM claimed ORDER BY due_at, id;
 
 -- name: claim_lock_accounts_wait
 -- The pg-for-update variant's step 1: the same accounts as claim_lock_accounts, but it waits

@@ -402,6 +402,43 @@ def test_a_write_that_lost_its_connection_is_sent_again_and_applied(
     assert len(server.hits_for(job.id)) == 1
 
 
+def test_jobs_of_an_enqueue_that_skipped_its_notify_wait_the_interval_not_the_poll(
+    queue: Queue, server: EchoServer
+) -> None:
+    # Two enqueues a few ms apart: the second sends no NOTIFY (within the interval), and the
+    # worker woken by the first has likely claimed before the second commits. With a 5 s
+    # poll, only the claim the worker makes once the interval has passed delivers it soon.
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",), poll_seconds=5.0)
+    producer = PgQueue(queue.dsn, schema=queue.schema)
+    # Gaps of 4 to 16 ms, twice: the claim lands between the two commits in a good share of
+    # rounds, whatever this machine's wake-up latency, so a missing re-claim shows.
+    gaps = [0.004, 0.008, 0.012, 0.016] * 2
+    rounds = len(gaps)
+    seconds: list[tuple[uuid.UUID, float]] = []
+
+    def done(states: dict[uuid.UUID, JobState]) -> bool:
+        if len(states) == 2 * len(seconds) and (not states or all_terminal(states)):
+            if len(seconds) == rounds:
+                return True
+            time.sleep(0.3)  # the worker is idle, listening
+            enqueue(producer, server.url("/ok"))
+            time.sleep(gaps[len(seconds)])  # inside the interval, maybe after the claim
+            at = time.time()
+            [second] = enqueue(producer, server.url("/ok"))
+            seconds.append((second.id, at))
+        return False
+
+    try:
+        states, _ = run_until(queue, config, done, limit=30)
+    finally:
+        producer.close()
+    assert len(states) == 2 * rounds
+    assert all(s.status is JobStatus.COMPLETED for s in states.values())
+    for job_id, at in seconds:
+        [hit] = server.hits_for(job_id)
+        assert hit.received - at < 1.0, "a job whose enqueue sent no NOTIFY waited for the poll"
+
+
 class EveryWriteLost(PgQueue):
     """The first three result writes (a send and its two resends) lose the connection."""
 

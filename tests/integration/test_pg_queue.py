@@ -292,6 +292,24 @@ def test_notify_wakes_a_waiting_worker(queue: PgQueue, pg_dsn: str, fresh_schema
     assert queue.wait_for_work(30) is True
 
 
+def test_enqueues_closer_than_the_notify_interval_send_one_notify(
+    queue: PgQueue, pg_dsn: str, fresh_schema: str
+) -> None:
+    producer = PgQueue(pg_dsn, schema=fresh_schema)
+    try:
+        assert queue.wait_for_work(0.05) is False  # listening from here on
+        for _ in range(5):
+            producer.enqueue(jobs_for("a", 1))
+        assert queue.wait_for_work(5) is True
+        # The other four were within the interval of the first: no NOTIFY of their own.
+        assert queue.wait_for_work(0.3) is False
+        time.sleep(producer.notify_interval * 2)
+        producer.enqueue(jobs_for("a", 1))
+        assert queue.wait_for_work(5) is True
+    finally:
+        producer.close()
+
+
 def test_lost_connection_is_reopened_on_the_next_call(queue: PgQueue, pg_dsn: str) -> None:
     queue.enqueue(jobs_for("a", 2))
     assert len(queue.claim("w", 1, LEASE)) == 1

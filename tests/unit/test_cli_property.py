@@ -490,7 +490,7 @@ _FLOAT_KEYS = ("warmup", "duration", "drain_timeout", "rate", "lease", "http_tim
                "retry_jitter", "slow_seconds", "hang_seconds", "quiesce", "restart_delay")
 _INT_KEYS = ("producers", "users", "enqueue_batch", "workers", "batch", "max_attempts",
              "fail_times", "fail_status")
-_BOOL_KEYS = ("distributed", "recovery", "renew_leases", "unsafe_timing", "supervise")
+_BOOL_KEYS = ("distributed", "recovery", "renew_leases", "refill", "unsafe_timing", "supervise")
 _STR_KEYS = ("name", "description")
 
 hostile_float = st.one_of(
@@ -615,7 +615,7 @@ _PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "workers": st.integers(1, 8), "batch": st.integers(1, 20), "lease": _seconds(10, 30),
     "http_timeout": _seconds(0.1, 3), "write_margin": _seconds(0, 5), "poll": _seconds(0.1, 2),
     "recovery": st.booleans(), "recovery_interval": _seconds(0.1, 2),
-    "renew_leases": st.booleans(), "unsafe_timing": st.booleans(),
+    "renew_leases": st.booleans(), "refill": st.booleans(), "unsafe_timing": st.booleans(),
     "retry_base": _seconds(0, 1), "retry_cap": _seconds(1, 10), "retry_jitter": _seconds(0, 1),
     "max_attempts": st.integers(1, 10), "fail_times": st.integers(1, 5),
     "fail_status": st.integers(100, 599), "slow_seconds": _seconds(0, 2),

@@ -1,0 +1,190 @@
+"""`skiplock bench e2e`: the queue alone, then the full path, side by side in one command.
+
+Phase 1 is `skiplock bench queue`'s PgQueue phase: W processes claim a batch and finish it
+in a loop, no HTTP. Phase 2 drains the same backlog through the real path: W dispatcher
+worker processes (the same batch, as slots) claim, POST each job to an echo target in its own
+process over loopback, and write the results, with their event logs on as in a run. Both
+start from an identical freshly filled table (one schema each) on the same server, durable
+settings. Phase 2 drains a prefilled backlog, so no producer can be the limit. The ratio
+end-to-end / queue-only says what the dispatcher, HTTP and the target cost on top of the
+queue; the CPU seconds of the workers and the target over the phase say where it went.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pandas as pd
+
+from chaos.bench_target import cpu_seconds
+from reports.selfdescribe import describe
+from scenarios import bench_queue
+from scenarios.errors import HarnessError, UsageError
+from scenarios.provision import postgres
+
+DEFAULT_DURATION = 10.0
+# Jobs per second of duration put in each phase's backlog: more than either phase can take.
+PREFILL_JOBS_PER_SECOND = 6_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class E2eResult:
+    jobs: int
+    seconds: float
+    jobs_per_second: float
+    # Per job, claim to result written, in ms.
+    job_p50_ms: float | None
+    job_p99_ms: float | None
+    ran_dry: bool
+    worker_cpu_seconds: float | None
+    target_cpu_seconds: float | None
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--batch", type=int, default=20,
+                        help="jobs per claim, and calls in flight per worker (default 20)")
+    parser.add_argument("--duration", type=float, default=DEFAULT_DURATION,
+                        help="seconds per phase (default 10)")
+    parser.add_argument("--prefill", type=int, default=None,
+                        help=f"jobs in each phase's backlog (default {PREFILL_JOBS_PER_SECOND}"
+                             "/s of duration)")
+    parser.add_argument("--barrier", action="store_true",
+                        help="phase 2 with the batch barrier instead of slot refills")
+    parser.add_argument("--dsn", default=None,
+                        help="PostgreSQL DSN (default: SKIPLOCK_PG_DSN, else embedded)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON result file (default ./bench-results/e2e-TIMESTAMP.json)")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("workers", "batch"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    if not (math.isfinite(args.duration) and args.duration > 0):
+        raise UsageError(f"--duration must be a positive number of seconds, got {args.duration}")
+    prefill = args.prefill or max(5_000, int(PREFILL_JOBS_PER_SECOND * args.duration))
+    if prefill <= 0:
+        raise UsageError(f"--prefill must be a positive integer, got {prefill}")
+    out = args.out or Path("bench-results") / f"e2e-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a directory; give a file name")
+    params = bench_queue.Params(workers=args.workers, batch=args.batch,
+                                duration=float(args.duration), prefill=prefill)
+    run_id = uuid.uuid4().hex[:8]
+    schemas = [f"bench_q_{run_id}", f"bench_e_{run_id}"]
+    with postgres(args.dsn, durable=True) as server:
+        settings = server.settings()
+        _say(f"server: {server.kind} {server.display}, PostgreSQL {settings['server_version']}"
+             + ("" if settings["durable"] else "  (NOT durable: figures are not comparable)"))
+        _say(f"params: workers={params.workers} batch={params.batch} "
+             f"duration={params.duration:g}s prefill={params.prefill}"
+             + (" barrier" if args.barrier else ""))
+        try:
+            _say(f"phase 1, queue only: prefill {prefill} jobs")
+            bench_queue._prefill(server.dsn, schemas[0], prefill)
+            queue = bench_queue._queue_phase(server.dsn, schemas[0], params)
+            _say(f"phase 2, end to end: prefill {prefill} jobs")
+            e2e = e2e_phase(server.dsn, schemas[1], params, refill=not args.barrier)
+        finally:
+            bench_queue._drop_schemas(server.dsn, schemas)
+    ratio = e2e.jobs_per_second / queue.jobs_per_second if queue.jobs_per_second else None
+    doc = {"benchmark": "e2e", "finished_at": datetime.now(UTC).isoformat(),
+           "params": {**asdict(params), "refill": not args.barrier},
+           "durable": settings["durable"], "postgres": settings,
+           "server": {"kind": server.kind, "dsn": server.display}, **describe(),
+           "queue": asdict(queue), "e2e": asdict(e2e), "ratio": ratio}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    _say(f"queue only : {queue.jobs_per_second:8,.0f} jobs/s  cycle p50 "
+         f"{_ms(queue.cycle_p50_ms)} ms  p99 {_ms(queue.cycle_p99_ms)} ms"
+         + ("  (RAN DRY: raise --prefill)" if queue.ran_dry else ""))
+    _say(f"end to end : {e2e.jobs_per_second:8,.0f} jobs/s  claim->written p50 "
+         f"{_ms(e2e.job_p50_ms)} ms  p99 {_ms(e2e.job_p99_ms)} ms  CPU s: workers "
+         f"{_num(e2e.worker_cpu_seconds)}, target {_num(e2e.target_cpu_seconds)}"
+         + ("  (RAN DRY: raise --prefill)" if e2e.ran_dry else ""))
+    _say(f"ratio end to end / queue only: {'-' if ratio is None else f'{ratio:.2f}'}")
+    _say(f"written: {out}")
+    return 0
+
+
+def e2e_phase(dsn: str, schema: str, params: bench_queue.Params, *,
+              refill: bool = True) -> E2eResult:
+    from chaos.target import TargetProcess
+    from queue_impl.dispatcher import DispatcherConfig
+    from queue_impl.plugins import BackendSpec
+    from scenarios.workers import WorkerPool
+
+    with tempfile.TemporaryDirectory(prefix="skiplock-bench-e2e-") as tmp:
+        events = Path(tmp) / "workers"
+        events.mkdir()
+        with TargetProcess(Path(tmp), name="target-0") as target:
+            bench_queue._prefill(dsn, schema, params.prefill, target_url=target.deliver_url)
+            config = DispatcherConfig(
+                batch=params.batch, lease_seconds=30.0, http_timeout_seconds=5.0,
+                write_margin_seconds=5.0, poll_seconds=0.5, refill=refill,
+                allow_targets=(f"127.0.0.1:{target.port}",), seed=1)
+            pool = WorkerPool(BackendSpec(name="pg", dsn=dsn, schema=schema), config,
+                              params.workers, events)
+            try:
+                pool.start()
+                started = time.time()
+                cpu_before = _cpu(list(pool.pids)), _cpu([target.pid])
+                deadline = started + params.duration
+                while (now := time.time()) < deadline:
+                    time.sleep(min(1.0, deadline - now))
+                    _say(f"  {time.time() - started:4.0f} s")
+                cpu_after = _cpu(list(pool.pids)), _cpu([target.pid])
+            finally:
+                pool.stop()
+        ended = started + params.duration
+        frames = [pd.read_csv(path, usecols=["kind", "time", "job_id"])
+                  for path in sorted(events.glob("*.csv"))]
+    if not frames:
+        raise HarnessError("no worker event log was written")
+    ev = pd.concat(frames, ignore_index=True)
+    claims = ev[ev["kind"] == "claim"].groupby("job_id")["time"].min()
+    writes = ev[ev["kind"] == "write"].groupby("job_id")["time"].min()
+    in_window = writes[(writes >= started) & (writes < ended)]
+    latency = ((in_window - claims.reindex(in_window.index)) * 1000).dropna().sort_values()
+    return E2eResult(
+        jobs=len(in_window), seconds=params.duration,
+        jobs_per_second=len(in_window) / params.duration,
+        job_p50_ms=_pct(latency.tolist(), 0.50), job_p99_ms=_pct(latency.tolist(), 0.99),
+        ran_dry=len(writes) >= params.prefill,
+        worker_cpu_seconds=_delta(cpu_before[0], cpu_after[0]),
+        target_cpu_seconds=_delta(cpu_before[1], cpu_after[1]))
+
+
+def _cpu(pids: list[int | None]) -> float | None:
+    seconds = [cpu_seconds(pid) for pid in pids if pid is not None]
+    return None if not seconds or any(s is None for s in seconds) else \
+        sum(s for s in seconds if s is not None)
+
+
+def _delta(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else round(after - before, 2)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return bench_queue._percentile(values, q)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
