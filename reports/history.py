@@ -39,7 +39,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from functools import cached_property
 from pathlib import Path
@@ -282,9 +282,21 @@ class RunInfo:
 
 
 def to_record(obj: Any) -> dict[str, Any]:
-    """A dataclass record as a JSON-ready dict (enums as their values)."""
-    raw = asdict(obj)
-    return {k: (v.value if isinstance(v, Enum) else v) for k, v in raw.items()}
+    """A dataclass record as a JSON-ready dict (enums as their values). Shallow: nested
+    values are serialised as they are, never changed, so `asdict`'s deep copy (most of a
+    worker's cost of logging an event) is not needed."""
+    return {name: (v.value if isinstance(v := getattr(obj, name), Enum) else v)
+            for name in _field_names(type(obj))}
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
+    return names
 
 
 class _AppendOnlyFile:
@@ -457,7 +469,10 @@ class LogFormat:
         unknown = flat.keys() - self._kinds.keys()
         if unknown:
             raise ValueError(f"{self.what} has fields with no column: {sorted(unknown)}")
-        return ",".join(_cell(flat.get(name), kind) for name, kind in self.columns) + "\n"
+        get = flat.get
+        # Most of a wide log's fields are empty in any one record: skip `_cell` for those.
+        return ",".join(["" if (value := get(name)) is None else _cell(value, kind)
+                         for name, kind in self.columns]) + "\n"
 
 
 def escape_text(text: str) -> str:

@@ -36,7 +36,6 @@ from reports.history import (
     WORKER_LOG,
     HistoryError,
     LogWriter,
-    WorkerEvent,
     parse_header,
     parse_row,
 )
@@ -55,16 +54,17 @@ def log_sink(writer: LogWriter, worker_id: str, replaces: str | None = None) -> 
         if kind == "start" and replaces is not None:
             data["replaces"] = replaces
         attempt = fields.get("attempt")
-        writer.write(
-            WorkerEvent(
-                kind=kind,  # type: ignore[arg-type]  # kinds are the dispatcher's contract
-                worker=worker_id,
-                time=time.time(),
-                job_id=fields.get("job_id"),
-                attempt=None if attempt is None else int(attempt),
-                data=data,
-            )
-        )
+        # A `WorkerEvent`'s fields as a mapping: the log writes it as it would the record,
+        # without building the dataclass and converting it back, for every event a worker
+        # logs while it is being measured.
+        writer.write({
+            "kind": kind,
+            "worker": worker_id,
+            "time": time.time(),
+            "job_id": fields.get("job_id"),
+            "attempt": None if attempt is None else int(attempt),
+            "data": data,
+        })
 
     return sink
 
