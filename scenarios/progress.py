@@ -1,8 +1,11 @@
 """Per-second samples of a running scenario, and the live display built on them.
 
 The sampler reads what the run is already writing (enqueue operations, the target's delivery
-logs) incrementally, and asks the queue how many jobs are in each state. It never writes to
-the queue, so sampling cannot change what is measured beyond one small query per second.
+logs, the workers' event logs) incrementally, and asks the queue only how many jobs are live
+(pending, retrying, in flight), through the partial indexes: the cost of that query follows
+the live jobs, never the finished history, so sampling does not load the server it measures
+as the table grows. Completed and failed jobs are counted from the workers' applied writes
+while the run goes on, and read exactly from the table once, in the final sample.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from reports.history import (
     ENQUEUE_LOG,
     ENQUEUES_FILE,
     LOG_SUFFIX,
+    WORKER_LOG,
+    WORKERS_DIR,
     HistoryError,
     LogFormat,
     parse_header,
@@ -109,6 +114,16 @@ class _Tail:
         return records
 
 
+def live_counts_query(schema: str) -> sql.Composed:
+    """PENDING, RETRYING and PROCESSING jobs, each counted through its partial index: the
+    work follows the live jobs, not the finished ones."""
+    return sql.SQL(
+        "SELECT (SELECT count(*) FROM {t} WHERE status = 'PENDING'),"
+        " (SELECT count(*) FROM {t} WHERE status = 'RETRYING'),"
+        " (SELECT count(*) FROM {t} WHERE status = 'PROCESSING')"
+    ).format(t=sql.SQL("{}.jobs").format(sql.Identifier(schema)))
+
+
 class Sampler:
     """Counts, one call per sample. Uses its own connection; falls back to the backend's
     snapshot when the queue's tables are not the reference schema (a plug-in backend)."""
@@ -126,6 +141,8 @@ class Sampler:
         self.backend = backend
         self.enqueues = _Tail(run_dir / ENQUEUES_FILE, ENQUEUE_LOG)
         self.delivery_tails: dict[Path, _Tail] = {}
+        self.worker_tails: dict[Path, _Tail] = {}
+        self.completed = self.failed = 0  # from the workers' applied writes
         self.invoked = self.ok = self.errors = 0
         self.delivered = self.delivered_ok = self.duplicates = 0
         self.succeeded: set[str] = set()
@@ -155,6 +172,30 @@ class Sampler:
                     if job in self.succeeded:
                         self.duplicates += 1
                     self.succeeded.add(job)
+        for path in sorted((self.run_dir / WORKERS_DIR).glob(f"*{LOG_SUFFIX}")):
+            tail = self.worker_tails.setdefault(path, _Tail(path, WORKER_LOG))
+            for record in tail.records():
+                if record.get("kind") == "write":
+                    self._count_write(record)
+
+    def _count_write(self, record: Mapping[str, Any]) -> None:
+        """A job's final state as its applied write decided it: success completes it, a
+        permanent failure or a transient one on its last attempt fails it. (Recovery that
+        dead-letters an expired lease writes no such event: the final sample reads the
+        table.)"""
+        data = record.get("data") or {}
+        if data.get("result") != "applied":
+            return
+        outcome = data.get("outcome")
+        if outcome == "success":
+            self.completed += 1
+        elif outcome == "permanent":
+            self.failed += 1
+        elif outcome == "transient":
+            allowed = self.max_attempts.get(str(record.get("job_id")))
+            attempt = record.get("attempt")
+            if allowed and isinstance(attempt, int) and attempt >= allowed:
+                self.failed += 1
 
     def _read_enqueues(self) -> None:
         for op in self.enqueues.records():
@@ -193,16 +234,24 @@ class Sampler:
         if limit is not None and isinstance(in_flight, int) and in_flight > limit:
             self.over_limit += 1
 
-    def status_counts(self) -> dict[str, int] | None:
-        """Jobs per status; None when the queue cannot be asked right now."""
+    def status_counts(self, *, exact: bool = False) -> dict[str, int] | None:
+        """Jobs per live status (PENDING, RETRYING, PROCESSING), each counted through its
+        partial index; with `exact`, every status, over the whole table (once, at the end).
+        None when the queue cannot be asked right now. A plug-in's tables are not read: its
+        snapshot gives every status."""
         if self._use_sql and self.dsn is not None:
             try:
                 if self._conn is None or self._conn.closed:
                     self._conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
-                query = sql.SQL("SELECT status, count(*) FROM {}.jobs GROUP BY status").format(
-                    sql.Identifier(self.schema)
-                )
-                return {str(s): int(n) for s, n in self._conn.execute(query).fetchall()}
+                table = sql.SQL("{}.jobs").format(sql.Identifier(self.schema))
+                if exact:
+                    query = sql.SQL("SELECT status, count(*) FROM {} GROUP BY status").format(
+                        table)
+                    return {str(s): int(n) for s, n in self._conn.execute(query).fetchall()}
+                row = self._conn.execute(live_counts_query(self.schema)).fetchone()
+                assert row is not None
+                return dict(zip((JobStatus.PENDING.value, JobStatus.RETRYING.value,
+                                 JobStatus.PROCESSING.value), map(int, row), strict=True))
             except psycopg.errors.UndefinedTable:
                 self._use_sql = False
             except psycopg.Error:
@@ -225,7 +274,7 @@ class Sampler:
         if final:
             self._read_enqueues()
             self._judge_waiting()
-        counts = self.status_counts() or {}
+        counts = self.status_counts(exact=final) or {}
         now = time.time()
         rate = 0.0
         if self.last is not None and now > self.last.time:
@@ -240,8 +289,8 @@ class Sampler:
             delivered=self.delivered,
             delivered_ok=self.delivered_ok,
             duplicates=self.duplicates,
-            completed=counts.get(JobStatus.COMPLETED.value, 0),
-            failed=counts.get(JobStatus.FAILED.value, 0),
+            completed=counts.get(JobStatus.COMPLETED.value, self.completed),
+            failed=counts.get(JobStatus.FAILED.value, self.failed),
             in_flight=counts.get(JobStatus.PROCESSING.value, 0),
             queue_depth=counts.get(JobStatus.PENDING.value, 0)
             + counts.get(JobStatus.RETRYING.value, 0),

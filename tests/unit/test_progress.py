@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from reports.history import DELIVERIES_DIR, DELIVERY_LOG, ENQUEUE_LOG, ENQUEUES_FILE, LogWriter
+from reports.history import (
+    DELIVERIES_DIR,
+    DELIVERY_LOG,
+    ENQUEUE_LOG,
+    ENQUEUES_FILE,
+    WORKER_LOG,
+    WORKERS_DIR,
+    LogWriter,
+)
 from scenarios.progress import Sampler, _table
 
 
@@ -116,3 +125,22 @@ def test_the_final_sample_judges_what_still_waits(tmp_path: Path) -> None:
         dels.write(_delivery("ghost", "acme", 1))
     sampler = Sampler(tmp_path, dsn=None, schema="s", limits={})
     assert sampler.sample("done", final=True).unexpected == 1
+
+
+def test_completed_and_failed_come_from_the_workers_applied_writes(tmp_path: Path) -> None:
+    with LogWriter(tmp_path / ENQUEUES_FILE, ENQUEUE_LOG) as enq:
+        for job, allowed in (("ok", 3), ("perm", 3), ("last", 2), ("again", 2), ("gone", 3)):
+            enq.write({"type": "invoke", "job_id": job, "max_attempts": allowed})
+
+    def write(job: str, attempt: int, outcome: str, result: str = "applied") -> dict[str, Any]:
+        return {"kind": "write", "worker": "w", "time": 1.0, "job_id": job,
+                "attempt": attempt, "data": {"outcome": outcome, "result": result}}
+
+    with LogWriter(tmp_path / WORKERS_DIR / "w.csv", WORKER_LOG) as log:
+        log.write(write("ok", 1, "success"))
+        log.write(write("perm", 1, "permanent"))
+        log.write(write("last", 2, "transient"))  # its last attempt: dead letter
+        log.write(write("again", 1, "transient"))  # will be retried
+        log.write(write("gone", 1, "success", result="fenced"))  # not this worker's to write
+    sample = Sampler(tmp_path, dsn=None, schema="s").sample("load")
+    assert (sample.completed, sample.failed) == (1, 2)
