@@ -59,7 +59,7 @@ from reports.history import (
     read_log,
     unescape_text,
 )
-from scenarios.orphans import die_with_parent
+from scenarios.orphans import die_with_parent, name_this_process
 
 DEFAULT_HANG_CAP_SECONDS = 600.0
 # How long a stopping target waits for deliveries still being answered (slow, hang).
@@ -682,6 +682,7 @@ def _child_main(
     bind_retry_seconds: float = 0.0,
 ) -> None:
     die_with_parent(parent_pid)
+    name_this_process("skiplock-target")
     ready = False
 
     def on_ready(bound: int) -> None:

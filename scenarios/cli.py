@@ -33,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("scenarios.cmd_worker", "start dispatcher worker processes against a DSN"),
     "target": ("chaos.cmd_target", "run the duplicate-detecting echo target"),
     "bench": ("scenarios.cmd_bench", "benchmarks: queue throughput, checker speed, target"),
+    "sweep": ("scenarios.cmd_sweep", "capacity: step the offered rate, find the knee"),
+    "compare": ("reports.cmd_compare", "compare two result files; exit 1 on a regression"),
 }
 
 EXIT_HARNESS = HarnessError.exit_code
@@ -161,6 +163,34 @@ deliveries still open are recorded as unanswered.
 
 exit codes:
   2    bad input: a non-loopback host, a bad name, a port in use, a log with other columns
+  4    harness failure
+{_INTERRUPTS}""",
+    "sweep": f"""\
+examples:
+  skiplock sweep steady --rates 100,200,400,800 --step 10 --p99 1
+  skiplock sweep noisy-neighbour --rates 50,100,200 --set workers=4 --all-steps
+
+Each step is a whole run at one offered rate (same seed and server); the knee is the highest
+rate whose p99 enqueue -> first timely 2xx is within --p99, with at least 90% of the offered
+rate delivered and no growing backlog. Writes sweep.json, sweep.png and every step's run
+directory under --out.
+
+exit codes:
+  0    swept (whatever the knee)       2  bad input       4  harness failure
+{_INTERRUPTS}""",
+    "compare": f"""\
+examples:
+  skiplock compare base/sweep.json new/sweep.json --threshold 10%
+  skiplock compare bench-results/e2e-A.json bench-results/e2e-B.json
+
+Compares the headline figures of two results of the same benchmark (sweep, bench e2e,
+queue, claim, target, checker), each in its own direction (a rate that fell, a latency that
+rose).
+
+exit codes:
+  0    no figure worse by more than the threshold
+  1    a performance regression beyond the threshold (the only 1 that is not a verdict)
+  2    bad input: unreadable file, different benchmarks, no common figure
   4    harness failure
 {_INTERRUPTS}""",
     "bench": f"""\

@@ -52,6 +52,14 @@ def die_with_parent(parent_pid: int | None = None, signum: int = signal.SIGTERM)
             os.kill(os.getpid(), signum)
 
 
+def name_this_process(name: str) -> None:
+    """Set this process's name as `ps`, `top` and /proc/PID/stat show it (Linux: at most 15
+    bytes), so a person, and `skiplock sweep`'s CPU accounting, can tell a worker from a
+    producer or a target among processes whose command lines are all Python's."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_text(name[:15])
+
+
 class FolderRemover:
     """The harness's end of a remover process (see the module's docstring)."""
 

@@ -65,7 +65,7 @@ from reports.history import (
     EnqueueType,
     LogWriter,
 )
-from scenarios.orphans import die_with_parent
+from scenarios.orphans import die_with_parent, name_this_process
 from scenarios.spec import Chooser, ScenarioSpec, from_mapping
 
 # Errors the server raised about the statement itself: the transaction was rolled back
@@ -252,6 +252,7 @@ def _let_enqueues_finish(limit_seconds: float = 10.0) -> None:
 def main(config: Mapping[str, Any]) -> int:
     """Run one producer process until the load phase ends. `config` is plain JSON data."""
     die_with_parent()
+    name_this_process("skiplock-produc")
     _cooperative_psycopg()
     spec = from_mapping(config["spec"]).validate()
     run_dir = Path(config["run_dir"])

@@ -40,7 +40,7 @@ from reports.history import (
     parse_row,
 )
 from scenarios.errors import HarnessError, UsageError
-from scenarios.orphans import die_with_parent
+from scenarios.orphans import die_with_parent, name_this_process
 
 _RECORD_FIELDS = ("job_id", "attempt")
 
@@ -80,6 +80,7 @@ def _worker_main(
 ) -> None:
     """Entry point of one worker process."""
     die_with_parent()
+    name_this_process("skiplock-worker")
     if stderr_path is not None:
         # The worker's own complaints (a claim that failed under a fault, a reconnect) go to
         # a file of the run, not into the caller's terminal between its result lines.

@@ -1,0 +1,150 @@
+"""`skiplock compare BASE.json NEW.json [--threshold 10%]`: a performance gate.
+
+Both files are results of the same benchmark (`skiplock sweep`, `bench e2e`, `bench queue`,
+`bench claim`, `bench target`, `bench checker`). It prints each headline figure of both,
+the change, and whether it is a regression (worse by more than the threshold, in the
+figure's own direction: a rate that fell, a latency that rose). Exit 1 when any figure
+regressed beyond the threshold, 0 otherwise; 2 for files it cannot compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from scenarios.errors import UsageError
+
+# A figure: (name, value, True when higher is better).
+Figure = tuple[str, float, bool]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("base", type=Path, help="the result to compare against")
+    parser.add_argument("new", type=Path, help="the result to judge")
+    parser.add_argument("--threshold", default="10%",
+                        help="largest change for the worse that passes (default 10%%)")
+
+
+def parse_threshold(text: str) -> float:
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise UsageError(f"--threshold must be a share like 10% or 0.1, got {text!r}") \
+            from None
+    if not (math.isfinite(value) and 0 <= value < 10):
+        raise UsageError(f"--threshold must be between 0% and 1000%, got {text!r}")
+    return value
+
+
+def _sweep(doc: dict[str, Any]) -> Iterator[Figure]:
+    if doc.get("knee_rate") is not None:
+        yield "knee rate (jobs/s)", float(doc["knee_rate"]), True
+    for step in doc.get("steps", []):
+        rate = f"{float(step['rate']):g}/s"
+        yield f"delivered at {rate} (jobs/s)", float(step["delivered_per_second"]), True
+        p99 = step.get("p99_seconds")
+        if p99 is not None and math.isfinite(float(p99)):
+            yield f"p99 at {rate} (s)", float(p99), False
+
+
+def _e2e(doc: dict[str, Any]) -> Iterator[Figure]:
+    yield "queue only (jobs/s)", float(doc["queue"]["jobs_per_second"]), True
+    yield "end to end (jobs/s)", float(doc["e2e"]["jobs_per_second"]), True
+    if doc.get("ratio") is not None:
+        yield "ratio end to end / queue only", float(doc["ratio"]), True
+    if doc["e2e"].get("job_p99_ms") is not None:
+        yield "end to end p99 (ms)", float(doc["e2e"]["job_p99_ms"]), False
+
+
+def _queue(doc: dict[str, Any]) -> Iterator[Figure]:
+    yield "PgQueue (jobs/s)", float(doc["queue"]["jobs_per_second"]), True
+    yield "raw SQL ceiling (jobs/s)", float(doc["ceiling"]["jobs_per_second"]), True
+    if doc.get("ratio") is not None:
+        yield "ratio queue / ceiling", float(doc["ratio"]), True
+
+
+def _claim(doc: dict[str, Any]) -> Iterator[Figure]:
+    for size in doc["sizes"]:
+        yield f"claim p50 at {int(size['backlog']):,} (ms)", float(size["p50_ms"]), False
+
+
+def _target(doc: dict[str, Any]) -> Iterator[Figure]:
+    yield "requests/s", float(doc["results"]["requests_per_second"]), True
+    if doc["results"]["latency_ms"].get("p99") is not None:
+        yield "p99 (ms)", float(doc["results"]["latency_ms"]["p99"]), False
+
+
+def _checker(doc: dict[str, Any]) -> Iterator[Figure]:
+    for check in ("cold", "warm"):
+        yield f"{check} check (s)", float(doc["seconds"][check]["total_seconds"]), False
+
+
+EXTRACTORS: dict[str, Callable[[dict[str, Any]], Iterator[Figure]]] = {
+    "sweep": _sweep, "e2e": _e2e, "queue": _queue, "claim": _claim, "target": _target,
+    "checker": _checker,
+}
+
+
+def figures(path: Path) -> tuple[str, dict[str, tuple[float, bool]]]:
+    """(benchmark, {figure: (value, higher is better)}) of a result file; UsageError for a
+    file that is not a result skiplock can compare."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UsageError(f"{path}: cannot read a JSON result ({exc})") from None
+    kind = doc.get("benchmark") if isinstance(doc, dict) else None
+    extract = EXTRACTORS.get(kind) if isinstance(kind, str) else None
+    if extract is None:
+        raise UsageError(f"{path}: not a result of {', '.join(sorted(EXTRACTORS))} "
+                         "(no known \"benchmark\")")
+    try:
+        found = {name: (value, higher) for name, value, higher in extract(doc)}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UsageError(f"{path}: a {kind} result without its figures ({exc!r})") from None
+    return str(kind), found
+
+
+def change(base: float, new: float, higher_is_better: bool) -> float:
+    """How much worse `new` is than `base`, as a share (negative: better)."""
+    if base == 0:
+        return 0.0 if new == 0 else (-math.inf if (new > 0) == higher_is_better else math.inf)
+    worse = (base - new) / abs(base)
+    return worse if higher_is_better else -worse
+
+
+def run(args: argparse.Namespace) -> int:
+    threshold = parse_threshold(args.threshold)
+    base_kind, base = figures(args.base)
+    new_kind, new = figures(args.new)
+    if base_kind != new_kind:
+        raise UsageError(f"cannot compare a {base_kind} result with a {new_kind} result")
+    common = [name for name in base if name in new]
+    if not common:
+        raise UsageError("the two results share no figure (different steps or sizes?)")
+    width = max(len(name) for name in common)
+    print(f"{'figure':<{width}}  {'base':>12}  {'new':>12}  {'change':>8}")
+    regressions = []
+    for name in common:
+        (b, higher), (n, _) = base[name], new[name]
+        worse = change(b, n, higher)
+        verdict = ""
+        if worse > threshold:
+            verdict = "REGRESSION"
+            regressions.append(name)
+        elif worse < -threshold:
+            verdict = "better"
+        shown = f"{(n - b) / abs(b):+.1%}" if b else "n/a"
+        print(f"{name:<{width}}  {b:>12,.4g}  {n:>12,.4g}  {shown:>8}  {verdict}")
+    for name in sorted(set(base) ^ set(new)):
+        print(f"{name:<{width}}  only in {'base' if name in base else 'new'}")
+    if regressions:
+        print(f"{len(regressions)} figure(s) worse by more than {threshold:.0%}: "
+              f"{', '.join(regressions)}")
+        return 1
+    print(f"no figure worse by more than {threshold:.0%}")
+    return 0

@@ -1,0 +1,443 @@
+"""`skiplock sweep [SCENARIO] --rates R1,R2,...`: capacity planning by stepped load.
+
+Each step is a whole run of the scenario at one offered rate (the same seed, settings and
+server for every step), long enough to be steady. From each run directory alone it measures
+the offered rate (acknowledged enqueues per second of load), the delivered rate (jobs whose
+first 2xx answered within the HTTP timeout arrived during the load, per second), the latency
+from an acknowledged enqueue to that first timely 2xx (p50, p99; a job that never had one
+counts as missing), and whether the backlog grew over the load (the sampler's queue depth at
+the end of the load against its start). A step meets the objective when its p99 is within
+`--p99`, it delivered at least 90 % of what was offered and the backlog did not grow by more
+than half a second of load. The knee is the highest rate that meets it; the sweep stops at
+the first step that does not (unless `--all-steps`).
+
+While each step runs it samples, every 0.2 s, PostgreSQL's active sessions by wait event
+(`pg_stat_activity`; a session with no wait event is on the CPU) and, from `/proc`, the CPU
+the server, the workers and the rest of the harness (producers, target) used, and how busy
+the machine was: where the time went at the knee. It writes `sweep.json` (self-describing),
+`sweep.png` (offered against delivered rate, and p99 against the objective, the knee marked)
+and each step's run directory under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import itertools
+import json
+import math
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import psycopg
+
+from reports.history import (
+    ENQUEUES_FILE,
+    RUN_FILE,
+    SPEC_FILE,
+    read_json,
+)
+from reports.selfdescribe import describe
+from scenarios.errors import UsageError
+from scenarios.spec import SpecError
+
+DELIVERED_SHARE = 0.9  # of the offered rate, for a step to meet the objective
+BACKLOG_GROWTH_SECONDS = 0.5  # of load: more growth than this is a backlog that grows
+SAMPLE_SECONDS = 0.2
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", nargs="?", default="steady",
+                        help="scenario name or file (default: steady)")
+    parser.add_argument("--rates", required=True, metavar="R1,R2,...",
+                        help="offered rates to step through, jobs/s, increasing")
+    parser.add_argument("--step", type=float, default=10.0,
+                        help="seconds of load per step (default 10)")
+    parser.add_argument("--p99", type=float, default=1.0,
+                        help="objective: p99 enqueue -> first timely 2xx, seconds (default 1)")
+    parser.add_argument("--all-steps", action="store_true",
+                        help="run every step, not only up to the first that misses")
+    parser.add_argument("--seed", type=int, default=1, help="seed for every step (default 1)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a scenario key for every step")
+    parser.add_argument("--dsn", default=None,
+                        help="PostgreSQL to use (default: SKIPLOCK_PG_DSN, Docker, embedded)")
+    parser.add_argument("--out", type=Path, default=Path("sweeps"),
+                        help="parent directory of the sweep's directory (default ./sweeps)")
+
+
+def parse_rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(f"--rates must be numbers separated by commas, got {text!r}") from None
+    if not rates or any(not (math.isfinite(r) and r > 0) for r in rates):
+        raise UsageError(f"--rates must each be a positive number of jobs/s, got {text!r}")
+    if any(b <= a for a, b in itertools.pairwise(rates)):
+        raise UsageError(f"--rates must increase, got {text!r}")
+    return rates
+
+
+def run(args: argparse.Namespace) -> int:
+    from scenarios import spec as spec_mod
+    from scenarios.provision import postgres
+    from scenarios.runner import RunOptions, run_scenario
+
+    rates = parse_rates(args.rates)
+    for name in ("step", "p99"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive number of "
+                             f"seconds, got {value}")
+    try:
+        base = spec_mod.load(args.scenario, args.overrides)
+        steps = [dataclasses.replace(base, rate=rate, duration=args.step).validate()
+                 for rate in rates]
+    except SpecError as exc:
+        raise UsageError(str(exc)) from None
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out} is a file; give a directory")
+    folder = args.out / f"{datetime.now(UTC):%Y%m%d-%H%M%S}-sweep-{base.name}"
+    try:
+        (folder / "runs").mkdir(parents=True)
+    except OSError as exc:
+        raise UsageError(f"--out {args.out}: cannot create {folder} ({exc.strerror})") \
+            from None
+    results: list[dict[str, Any]] = []
+    with postgres(args.dsn, durable=True) as server:
+        settings = server.settings()
+        _say(f"sweep of {base.name}: rates {', '.join(f'{r:g}' for r in rates)} jobs/s, "
+             f"{args.step:g} s each, objective p99 <= {args.p99:g} s; server {server.kind}, "
+             f"PostgreSQL {settings['server_version']}")
+        for spec in steps:
+            _say(f"step {spec.rate:g} jobs/s ...")
+            options = RunOptions(seed=args.seed, out=folder / "runs", server=server,
+                                 worker_logs_to_files=True)
+            with _watch(server.dsn) as watched:
+                result = run_scenario(spec, options)
+            step = measure_step(result.run_dir, objective=args.p99)
+            step |= {"rate": spec.rate, "run_dir": str(result.run_dir),
+                     "verdict": str(result.verdict.valid), **watched.summary()}
+            results.append(step)
+            _say("  " + step_line(step))
+            if step["producers_short"]:
+                _say(f"  the producers offered {step['offered_per_second']:g} of "
+                     f"{spec.rate:g} jobs/s: the harness is the limit here, not the queue "
+                     "(raise producers, users or enqueue_batch with --set); stopping")
+                break
+            if not step["meets_objective"] and not args.all_steps:
+                break
+    knee = knee_of(results)
+    # Every step met the objective: the knee lies above the rates tried.
+    beyond = bool(results) and all(s["meets_objective"] and not s["producers_short"]
+                                   for s in results)
+    doc = {"benchmark": "sweep", "finished_at": datetime.now(UTC).isoformat(),
+           "scenario": base.name, "objective_p99_seconds": args.p99, "seed": args.seed,
+           "overrides": list(args.overrides), "durable": settings["durable"],
+           "postgres": settings, "server": {"kind": server.kind, "dsn": server.display},
+           **describe(), "steps": results, "knee_rate": knee, "knee_above_rates": beyond,
+           "bottleneck": bottleneck(results, knee)}
+    (folder / "sweep.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    plot(results, knee, args.p99, folder / "sweep.png", title=f"skiplock sweep: {base.name}")
+    _say("knee: " + ("not found" if knee is None else
+                     f"above {knee:g} jobs/s (every step met the objective: try higher rates)"
+                     if beyond else f"{knee:g} jobs/s"))
+    _say(f"where the time went: {doc['bottleneck']}")
+    _say(f"written: {folder / 'sweep.json'}, {folder / 'sweep.png'}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# One step, from its run directory.
+# --------------------------------------------------------------------------------------------
+
+
+def measure_step(run_dir: Path, *, objective: float) -> dict[str, Any]:
+    from scenarios.bench_recovery import load_window, read_deliveries
+
+    spec_json = read_json(run_dir / SPEC_FILE)
+    run_json = read_json(run_dir / RUN_FILE)
+    timeout = float(run_json["http_timeout_seconds"])
+    start, end = load_window(spec_json)
+    seconds = end - start
+    enq = pd.read_csv(run_dir / ENQUEUES_FILE, usecols=["type", "job_id", "time"],
+                      dtype={"job_id": str, "type": str})
+    acked = enq[enq["type"] == "ok"].groupby("job_id")["time"].min()
+    in_load = acked[(acked >= start) & (acked < end)]
+    first = read_deliveries(run_dir, timeout).first_timely
+    delivered = int(((first >= start) & (first < end)).sum())
+    waits = (first.reindex(in_load.index) - in_load).sort_values()
+    missing = int(waits.isna().sum())
+    waits = waits.dropna()
+    p50 = float(waits.quantile(0.5)) if len(waits) else None
+    # A job never delivered is slower than any delivered one: it counts at the top.
+    p99 = (math.inf if missing > 0.01 * max(len(in_load), 1) else
+           float(waits.quantile(0.99)) if len(waits) else None)
+    growth = backlog_growth(run_dir, start, end)
+    offered = len(in_load) / seconds
+    rate_ok = delivered / seconds >= DELIVERED_SHARE * offered
+    meets = (p99 is not None and p99 <= objective and rate_ok
+             and growth <= max(10.0, BACKLOG_GROWTH_SECONDS * offered))
+    requested = float(spec_json["scenario"]["rate"])
+    return {"requested_per_second": requested,
+            # The producers could not offer the rate asked for: the harness, not the queue,
+            # is the limit at this step, and it measures nothing about the queue's capacity.
+            "producers_short": bool(requested > 0 and offered < DELIVERED_SHARE * requested),
+            "offered_per_second": round(offered, 1),
+            "delivered_per_second": round(delivered / seconds, 1),
+            "p50_seconds": None if p50 is None else round(p50, 4),
+            "p99_seconds": None if p99 is None else (p99 if math.isinf(p99) else round(p99, 4)),
+            "jobs_never_delivered": missing, "backlog_growth": growth,
+            "meets_objective": bool(meets)}
+
+
+def backlog_growth(run_dir: Path, start: float, end: float) -> float:
+    """Queue depth at the end of the load minus at its start (samples.csv)."""
+    path = run_dir / "samples.csv"
+    if not path.exists():
+        return 0.0
+    samples = pd.read_csv(path, usecols=["time", "queue_depth"])
+    load = samples[(samples["time"] >= start) & (samples["time"] <= end + 0.5)]
+    if len(load) < 2:
+        return 0.0
+    return float(load["queue_depth"].iloc[-1] - load["queue_depth"].iloc[0])
+
+
+def knee_of(steps: Sequence[dict[str, Any]]) -> float | None:
+    """The highest rate that met the objective, below the first that did not; None when
+    none did, or when no step missed it before the producers fell short (the queue's limit
+    was never reached, so there is no knee to report)."""
+    knee = None
+    for step in steps:
+        if step.get("producers_short"):
+            return None
+        if not step["meets_objective"]:
+            return knee
+        knee = step["rate"]
+    return knee
+
+
+def step_line(step: dict[str, Any]) -> str:
+    p99 = step["p99_seconds"]
+    shown = "-" if p99 is None else ("never" if math.isinf(p99) else f"{p99 * 1000:.0f} ms")
+    waits = ", ".join(f"{k} {v:.0%}" for k, v in list(step["waits"].items())[:3]) or "-"
+    cpu = step["cpu"]
+    return (f"offered {step['offered_per_second']:g}/s, delivered "
+            f"{step['delivered_per_second']:g}/s, p99 {shown}, backlog "
+            f"{step['backlog_growth']:+.0f}, machine {cpu.get('machine_busy', 0):.0%} busy "
+            f"(server {cpu.get('server', 0):.0%}, workers {cpu.get('workers', 0):.0%}, "
+            f"harness {cpu.get('harness', 0):.0%} of one core); waits: {waits}; "
+            f"{'meets' if step['meets_objective'] else 'MISSES'} the objective")
+
+
+def bottleneck(steps: Sequence[dict[str, Any]], knee: float | None) -> str:
+    """A sentence on where the time went at the first step past the knee (or the last)."""
+    if not steps:
+        return "no step ran"
+    short = next((s for s in steps if s.get("producers_short")), None)
+    if short is not None:
+        return (f"at {short['rate']:g} jobs/s the producers offered only "
+                f"{short['offered_per_second']:g}/s: the harness, not the queue")
+    past = next((s for s in steps if not s["meets_objective"]), steps[-1])
+    cpu = past["cpu"]
+    groups = {k: cpu.get(k, 0.0) for k in ("server", "workers", "harness")}
+    top = max(groups, key=lambda k: groups[k])
+    waits = past["waits"]
+    on_cpu = waits.get("CPU", 0.0)
+    busy = cpu.get("machine_busy", 0.0)
+    if busy >= 0.85:
+        why = (f"the machine's CPUs ({busy:.0%} busy; most of it {top}, "
+               f"{groups[top]:.0%} of one core)")
+    elif waits and max(waits.values()) > on_cpu:
+        event = max(waits, key=lambda k: waits[k])
+        why = f"PostgreSQL waiting on {event} ({waits[event]:.0%} of active session samples)"
+    else:
+        why = f"{top} ({groups[top]:.0%} of one core), machine {busy:.0%} busy"
+    return f"at {past['rate']:g} jobs/s: {why}"
+
+
+# --------------------------------------------------------------------------------------------
+# Watching the server and the processes while a step runs.
+# --------------------------------------------------------------------------------------------
+
+
+class _Watched:
+    def __init__(self) -> None:
+        self.waits: Counter[str] = Counter()
+        self.samples = 0
+        # pid -> (group, CPU seconds when first seen, when last seen); a process started after
+        # the watch began counts from zero.
+        self.cpu: dict[int, tuple[str, float, float]] = {}
+        self.machine: tuple[float, float] = (0.0, 0.0)
+        self.seconds = 0.0
+
+    def note_cpu(self, *, first: bool = False) -> None:
+        for pid, (group, used) in _cpu_by_process().items():
+            seen = self.cpu.get(pid)
+            if seen is None:
+                self.cpu[pid] = (group, used if first else 0.0, used)
+            else:
+                self.cpu[pid] = (group, seen[1], used)
+
+    def summary(self) -> dict[str, Any]:
+        total = sum(self.waits.values())
+        waits = {k: round(v / total, 3) for k, v in self.waits.most_common()} if total else {}
+        groups = {"server": 0.0, "workers": 0.0, "harness": 0.0}
+        for group, start, end in self.cpu.values():
+            groups[group] += end - start
+        cpu = {k: round(v / self.seconds, 3) for k, v in groups.items()} if self.seconds else {}
+        busy, all_ = self.machine
+        cpu["machine_busy"] = round(busy / all_, 3) if all_ else 0.0
+        return {"waits": waits, "cpu": cpu, "wait_samples": self.samples}
+
+
+@contextlib.contextmanager
+def _watch(dsn: str) -> Iterator[_Watched]:
+    watched = _Watched()
+    stop = threading.Event()
+
+    def sample() -> None:
+        conn = None
+        while not stop.wait(SAMPLE_SECONDS):
+            watched.note_cpu()
+            try:
+                if conn is None:
+                    conn = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
+                rows = conn.execute(
+                    "SELECT COALESCE(wait_event_type || ':' || wait_event, 'CPU'),"
+                    " count(*) FROM pg_stat_activity WHERE state = 'active'"
+                    " AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
+                    " GROUP BY 1").fetchall()
+            except psycopg.Error:
+                # A restart or a cut connection: try again at the next sample.
+                if conn is not None:
+                    conn.close()
+                conn = None
+                continue
+            watched.samples += 1
+            for event, count in rows:
+                watched.waits[str(event)] += int(count)
+        if conn is not None:
+            conn.close()
+
+    thread = threading.Thread(target=sample, name="skiplock-sweep-watch", daemon=True)
+    started = time.monotonic()
+    watched.note_cpu(first=True)
+    machine_before = _machine_cpu()
+    thread.start()
+    try:
+        yield watched
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        watched.note_cpu()
+        machine_after = _machine_cpu()
+        watched.seconds = time.monotonic() - started
+        watched.machine = (machine_after[0] - machine_before[0],
+                           machine_after[1] - machine_before[1])
+
+
+def _cpu_by_process() -> dict[int, tuple[str, float]]:
+    """pid -> (group, CPU seconds used so far) for the server's processes, the workers, and
+    the rest of the harness (producers, the target, this process), told apart by their
+    process names (`name_this_process`). Linux only: elsewhere, nothing."""
+    found: dict[int, tuple[str, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    proc = Path("/proc")
+    if not proc.exists():
+        return found
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1: stat.rindex(")")]
+        if comm.startswith("postgres"):
+            group = "server"
+        elif comm == "skiplock-worker":
+            group = "workers"
+        elif comm in ("skiplock-produc", "skiplock-target") or int(entry.name) == os.getpid():
+            group = "harness"
+        else:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        found[int(entry.name)] = (group, (int(fields[11]) + int(fields[12])) / tick)
+    return found
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """(busy, total) jiffies of the machine so far (/proc/stat)."""
+    try:
+        first = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return (0.0, 0.0)
+    values = [float(v) for v in first]
+    idle = values[3] + (values[4] if len(values) > 4 else 0.0)
+    return (sum(values) - idle, sum(values))
+
+
+# --------------------------------------------------------------------------------------------
+# The plot.
+# --------------------------------------------------------------------------------------------
+
+
+def plot(steps: Sequence[dict[str, Any]], knee: float | None, objective: float, path: Path,
+         *, title: str) -> None:
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [s["rate"] for s in steps]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    top.plot(rates, [s["offered_per_second"] for s in steps], "o--", color="grey",
+             label="offered")
+    top.plot(rates, [s["delivered_per_second"] for s in steps], "o-", color="tab:blue",
+             label="delivered (first timely 2xx)")
+    top.set_ylabel("jobs/s")
+    top.legend(loc="upper left", framealpha=0.9)
+    top.grid(alpha=0.3)
+    p99 = [None if s["p99_seconds"] is None else min(float(s["p99_seconds"]), 1e3)
+           for s in steps]
+    bottom.plot(rates, [v if v is not None else float("nan") for v in p99], "o-",
+                color="tab:red", label="p99 enqueue -> first timely 2xx")
+    bottom.axhline(objective, color="tab:red", linestyle=":", label=f"objective {objective:g} s")
+    bottom.set_yscale("log")
+    plain = matplotlib.ticker.FuncFormatter(lambda value, _pos: f"{value:g}")
+    bottom.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    bottom.yaxis.set_major_formatter(plain)
+    bottom.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    bottom.set_ylabel("seconds (log)")
+    bottom.set_xlabel("offered rate, jobs/s")
+    bottom.legend(loc="upper left")
+    bottom.grid(alpha=0.3, which="both")
+    for axis in (top, bottom):
+        if knee is not None:
+            axis.axvline(knee, color="tab:green", linestyle="--")
+    if knee is not None:
+        low, high = top.get_ylim()
+        top.annotate(f" knee {knee:g}/s", (knee, low + 0.15 * (high - low)), color="tab:green",
+                     ha="left")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+__all__ = ["configure", "knee_of", "measure_step", "parse_rates", "run"]
+

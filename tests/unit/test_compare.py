@@ -1,0 +1,116 @@
+"""`skiplock compare`: each figure in its own direction, exit 1 only on a regression beyond
+the threshold, and 2 for results it cannot compare."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reports import cmd_compare
+from scenarios import cli
+from scenarios.cmd_sweep import knee_of, parse_rates
+from scenarios.errors import UsageError
+
+E2E: dict[str, Any] = {
+    "benchmark": "e2e",
+    "queue": {"jobs_per_second": 3000.0},
+    "e2e": {"jobs_per_second": 2400.0, "job_p99_ms": 40.0},
+    "ratio": 0.8,
+}
+
+
+def write(path: Path, doc: dict[str, Any]) -> str:
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def slower(doc: dict[str, Any], by: float) -> dict[str, Any]:
+    out = copy.deepcopy(doc)
+    out["e2e"]["jobs_per_second"] *= 1 - by
+    out["ratio"] *= 1 - by
+    out["e2e"]["job_p99_ms"] *= 1 + by
+    return out
+
+
+def test_a_rerun_of_the_same_figures_passes(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    base = write(tmp_path / "a.json", E2E)
+    assert cli.main(["compare", base, write(tmp_path / "b.json", E2E)]) == 0
+    assert "no figure worse" in capsys.readouterr().out
+
+
+def test_an_injected_twenty_percent_slowdown_fails_the_gate(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = write(tmp_path / "a.json", E2E)
+    new = write(tmp_path / "b.json", slower(E2E, 0.2))
+    assert cli.main(["compare", base, new, "--threshold", "10%"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("REGRESSION") == 3  # end to end, the ratio, and p99 (which rose)
+    assert "queue only" in out and "-20.0%" in out
+    # Within a looser threshold it passes.
+    assert cli.main(["compare", base, new, "--threshold", "25%"]) == 0
+
+
+def test_better_figures_are_never_a_regression(tmp_path: Path) -> None:
+    faster = slower(E2E, -0.5)
+    assert cli.main(["compare", write(tmp_path / "a.json", E2E),
+                     write(tmp_path / "b.json", faster)]) == 0
+
+
+@pytest.mark.parametrize(("text", "value"), [("10%", 0.1), ("0.2", 0.2), ("0%", 0.0)])
+def test_thresholds(text: str, value: float) -> None:
+    assert cmd_compare.parse_threshold(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text", ["ten", "-5%", "nan", "inf", "1e9%"])
+def test_bad_thresholds_are_refused(text: str) -> None:
+    with pytest.raises(UsageError, match="--threshold"):
+        cmd_compare.parse_threshold(text)
+
+
+def test_results_of_different_benchmarks_are_bad_input(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    queue = {"benchmark": "queue", "queue": {"jobs_per_second": 1.0},
+             "ceiling": {"jobs_per_second": 1.0}, "ratio": 1.0}
+    code = cli.main(["compare", write(tmp_path / "a.json", E2E),
+                     write(tmp_path / "b.json", queue)])
+    assert code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize("content", ["{", "[]", '{"benchmark": "nope"}',
+                                     '{"benchmark": "e2e"}'])
+def test_files_that_are_not_results_are_bad_input(tmp_path: Path, content: str) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    assert cli.main(["compare", write(tmp_path / "a.json", E2E), str(bad)]) == 2
+
+
+def test_sweep_results_compare_the_knee_and_each_common_step(tmp_path: Path) -> None:
+    def sweep(knee: float, delivered: float) -> dict[str, Any]:
+        return {"benchmark": "sweep", "knee_rate": knee, "steps": [
+            {"rate": 100, "delivered_per_second": 100, "p99_seconds": 0.02},
+            {"rate": 200, "delivered_per_second": delivered, "p99_seconds": 0.05}]}
+
+    base = write(tmp_path / "a.json", sweep(200, 200))
+    assert cli.main(["compare", base, write(tmp_path / "b.json", sweep(200, 195))]) == 0
+    assert cli.main(["compare", base, write(tmp_path / "c.json", sweep(100, 150))]) == 1
+
+
+def test_sweep_rates_and_knee() -> None:
+    assert parse_rates("50,100,400") == (50.0, 100.0, 400.0)
+    for bad in ("", "a", "100,50", "0,10", "nan", "10,10"):
+        with pytest.raises(UsageError, match="--rates"):
+            parse_rates(bad)
+
+    def step(rate: float, meets: bool, short: bool = False) -> dict[str, Any]:
+        return {"rate": rate, "meets_objective": meets, "producers_short": short}
+
+    assert knee_of([step(1, True), step(2, True), step(3, False), step(4, True)]) == 2
+    assert knee_of([step(1, False)]) is None
+    # The producers could not offer a rate: the queue's limit was never found.
+    assert knee_of([step(1, True), step(2, True, short=True)]) is None
