@@ -939,13 +939,25 @@ def _small_or_refused(text: str) -> bool:
 
 @st.composite
 def bench_lines(draw: st.DrawFn) -> Line:
-    which = draw(st.sampled_from(["queue", "checker", "target", "recovery", "nope", ""]))
+    which = draw(st.sampled_from(["queue", "e2e", "claim", "checker", "target", "recovery",
+                                  "nope", ""]))
     words = ["bench"] + ([which] if which else [])
     allowed = {2}
     if which == "queue":
         words += _flags(draw, {"--workers": int_text, "--batch": int_text,
                                "--duration": number_text, "--prefill": int_text,
                                "--dsn": dsns, "--out": paths})
+    elif which == "e2e":
+        words += _flags(draw, {"--workers": int_text, "--batch": int_text,
+                               "--duration": number_text, "--prefill": int_text,
+                               "--dsn": dsns, "--out": paths})
+        if draw(st.booleans()):
+            words.append("--barrier")
+    elif which == "claim":
+        words += _flags(draw, {"--backlogs": st.one_of(garbage, st.sampled_from(
+                                   ["10,100", "0", "1,x", "-5", "99999999999"])),
+                               "--batch": int_text, "--repeat": int_text,
+                               "--sql": paths, "--dsn": dsns, "--out": paths})
     elif which == "checker":
         # A small history first (the default is a million deliveries); the flags may
         # override it with a hostile count.
@@ -963,10 +975,31 @@ def bench_lines(draw: st.DrawFn) -> Line:
                                "--workers": int_text, "--duration": number_text,
                                "--fault-at": number_text, "--seed": int_text, "--dsn": dsns,
                                "--out": paths, "--runs": paths})
-    if which in ("queue", "recovery") and (
+    if which in ("queue", "recovery", "e2e", "claim") and (
             draw(st.integers(0, 2)) or not any(w.startswith("--dsn") for w in words)):
         words += ["--dsn", CLOSED_DSN]
     return Line(words, allowed=allowed)
+
+
+@st.composite
+def sweep_lines(draw: st.DrawFn) -> Line:
+    words = ["sweep", *draw(st.lists(st.one_of(names, garbage), max_size=1))]
+    words += _flags(draw, {"--rates": st.one_of(garbage, number_text, st.sampled_from(
+                               ["10,20", "20,10", "0", "1,,2", "nan"])),
+                           "--step": number_text, "--p99": number_text, "--seed": int_text,
+                           "--set": st.one_of(garbage, st.sampled_from(
+                               ["workers=2", "nope=1", "rate=x"])),
+                           "--dsn": dsns, "--out": paths})
+    if draw(st.integers(0, 2)) or not any(w.startswith("--dsn") for w in words):
+        words += ["--dsn", CLOSED_DSN]
+    return Line(words, allowed={2})
+
+
+@st.composite
+def compare_lines(draw: st.DrawFn) -> Line:
+    files = draw(st.lists(st.one_of(paths, garbage), max_size=3))
+    words = ["compare", *files, *_flags(draw, {"--threshold": number_text})]
+    return Line(words, allowed={2})
 
 
 @st.composite
@@ -981,7 +1014,8 @@ def check_lines(draw: st.DrawFn) -> Line:
 def command_lines(draw: st.DrawFn) -> Line:
     line: Line = draw(st.one_of(
         run_lines("run"), run_lines("demo"), gate_lines(), worker_lines(), target_lines(),
-        bench_lines(), check_lines(), st.lists(garbage, max_size=3).map(Line)))
+        bench_lines(), check_lines(), sweep_lines(), compare_lines(),
+        st.lists(garbage, max_size=3).map(Line)))
     if draw(st.integers(0, 9)) == 0:
         line.argv.insert(0, "--debug")
     if draw(st.integers(0, 19)) == 0:
