@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, cast
 
 # The wire protocol belongs to the dispatcher; re-exported so readers import one module.
 from queue_impl.interface import (  # noqa: F401
@@ -497,6 +497,17 @@ def unescape_text(text: str) -> str:
 def _cell(value: Any, kind: ColumnKind) -> str:
     if value is None:
         return ""
+    # The common exact types first: the abstract-class checks below cost more than the rest
+    # of a worker's logging.
+    kind_of = type(value)
+    if kind == "num" and kind_of is int:
+        return str(value)
+    if kind == "num" and kind_of is float:
+        return repr(value)
+    if kind == "str" and kind_of is str and (
+            "," not in value and '"' not in value and "\\" not in value
+            and "\n" not in value and "\r" not in value):
+        return cast(str, value)
     if kind == "json":
         text = json.dumps(value, separators=(",", ":"), sort_keys=True, default=str)
     elif kind == "num":
