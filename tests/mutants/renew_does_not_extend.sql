@@ -1,9 +1,13 @@
 -- Mutant: a renewal that does not extend the lease.
 -- Bug: renew was meant never to shorten a lease, GREATEST(locked_until, now() + extend), and
 -- was written with LEAST: it always keeps the old deadline, so a batch that runs past its
--- first lease is recovered and handed to another worker while its calls still run
--- (duplicate_unexplained, state_mismatch).
--- expect: duplicate_unexplained
+-- first lease is recovered and handed to another worker while its calls still run. The
+-- recovered attempts use up max_attempts while the calls succeed, so jobs whose scripts
+-- complete end FAILED (state_mismatch, in every run). Two 2xx for one job
+-- (duplicate_unexplained) need the first call's answer and the redelivery's to both land,
+-- which depends on timing: with workers that refill their slots, a loaded CI machine once
+-- showed none in seed 1 (early_retry, limit_exceeded and state_mismatch instead).
+-- expect: state_mismatch
 -- scenario: long-calls
 
 -- name: renew
