@@ -293,6 +293,9 @@ class Dispatcher:
         self._draining = False
         # When the last notification woke this worker while idle (see `_idle`).
         self._woken_at: float | None = None
+        # The first exception of a call, the writer or the renewer in refill mode: the worker
+        # stops and `run` raises it, as the barrier loop would (never a silent, stalled slot).
+        self._failure: BaseException | None = None
         # Held around each renewal and each result write: a renewal never runs alongside the
         # write of a lease it renews (it would find the lease gone and call it lost).
         self._lease_io = asyncio.Lock()
@@ -371,7 +374,10 @@ class Dispatcher:
         call at once, hand each result to the writer as it ends. On stop, in-flight calls
         finish (bounded by the HTTP timeout) and every result is written before returning."""
         writer = asyncio.create_task(self._write_loop())
+        writer.add_done_callback(self._note_failure)
         renewer = asyncio.create_task(self._renew_loop()) if self.config.renew_leases else None
+        if renewer is not None:
+            renewer.add_done_callback(self._note_failure)
         try:
             while not self.stopping:
                 await self._maybe_recover()
@@ -410,6 +416,8 @@ class Dispatcher:
             if renewer is not None:
                 renewer.cancel()
                 await asyncio.gather(renewer, return_exceptions=True)
+        if self._failure is not None:
+            raise self._failure
 
     async def _wait_or_stop(self, event: asyncio.Event, seconds: float) -> None:
         """Wait for `event`, a stop request, or `seconds`, whichever comes first."""
@@ -459,6 +467,17 @@ class Dispatcher:
     def _slot_done(self, task: asyncio.Task[None]) -> None:
         self._calls.discard(task)
         self._slot_freed.set()
+        self._note_failure(task)
+
+    def _note_failure(self, task: asyncio.Task[None]) -> None:
+        """A background task that raised (a full disk under the event log, a plug-in that
+        answers a write with the wrong number of results): stop, and raise it from `run`
+        once the rest is drained. Its lease, if any, is left to expire and be recovered."""
+        if task.cancelled() or task.exception() is None:
+            return
+        if self._failure is None:
+            self._failure = task.exception()
+            self.request_stop(f"error: {type(self._failure).__name__}")
 
     async def _call_and_queue(
         self, session: aiohttp.ClientSession, resolver: PinnedResolver, token: Any

@@ -213,15 +213,13 @@ active AS (
     WHERE a.id = ANY(%(locked_accounts)s::text[])
     GROUP BY a.id, a.concurrency_limit
 ),
--- What each account may take this round: a limited account we locked, its free slots (full
--- ones, and those another claimer locked, take nothing); an unlimited account, the batch.
+-- What each limited account we locked may take: its free slots (full ones, and those another
+-- claimer locked, take nothing). Its job rows may all be locked here: no other claimer can
+-- take them while we hold the account.
 quota AS (
     SELECT account_id, LEAST(free, %(batch)s) AS take FROM active WHERE free > 0
-    UNION ALL
-    SELECT a.id, %(batch)s FROM accounts AS a WHERE a.concurrency_limit IS NULL
 ),
--- Due PENDING rows of each account, oldest first, from jobs_pending_by_account; SKIP LOCKED
--- passes over rows other claimers hold, so claimers never wait on each other.
+-- Due PENDING rows of each of those accounts, oldest first, from jobs_pending_by_account.
 pending AS (
     SELECT p.*
     FROM quota AS q
@@ -241,7 +239,7 @@ pending AS (
         FOR UPDATE OF j SKIP LOCKED
     ) AS p
 ),
--- Due RETRYING rows of each account, from jobs_retrying_by_account, same rules.
+-- Due RETRYING rows of those accounts, from jobs_retrying_by_account, same rules.
 retrying AS (
     SELECT r.*
     FROM quota AS q
@@ -256,11 +254,56 @@ retrying AS (
         FOR UPDATE OF j SKIP LOCKED
     ) AS r
 ),
+-- Unlimited accounts: candidates read without locking, each account's oldest four batches of
+-- due jobs from its own stretch of the per-account indexes, then the oldest four batches of
+-- all of them. Locking every account's share here would hold up to (accounts x batch) rows until
+-- COMMIT, and a concurrent claimer would skip them all and find nothing.
+unlimited_candidates AS (
+    SELECT c.id, c.due_at
+    FROM accounts AS a
+    CROSS JOIN LATERAL (
+        (SELECT j.id, j.run_at AS due_at
+         FROM jobs AS j
+         WHERE j.status = 'PENDING'
+           AND (j.account_id, j.run_at) >= (a.id, '-infinity'::timestamptz)
+           AND (j.account_id, j.run_at) <= (a.id, skiplock_now())
+         ORDER BY j.account_id, j.run_at, j.id
+         LIMIT 4 * %(batch)s)
+        UNION ALL
+        (SELECT j.id, j.next_attempt_at AS due_at
+         FROM jobs AS j
+         WHERE j.status = 'RETRYING'
+           AND (j.account_id, j.next_attempt_at) >= (a.id, '-infinity'::timestamptz)
+           AND (j.account_id, j.next_attempt_at) <= (a.id, skiplock_now())
+         ORDER BY j.account_id, j.next_attempt_at, j.id
+         LIMIT 4 * %(batch)s)
+    ) AS c
+    WHERE a.concurrency_limit IS NULL
+    ORDER BY c.due_at, c.id
+    -- Room for the rows concurrent claimers hold: a fifth claimer at the same instant may
+    -- come back short, never one of the first four.
+    LIMIT 4 * %(batch)s
+),
+-- ... then at most a batch of them locked, oldest first. SKIP LOCKED passes over rows other
+-- claimers hold, and the due check is made again on the row as locked (a row another claimer
+-- took and committed meanwhile no longer qualifies). It is one CASE, which no index matches,
+-- so the planner fetches the few candidates by id rather than scan every due job again.
+unlimited AS (
+    SELECT j.id, j.account_id, c.due_at
+    FROM unlimited_candidates AS c
+    JOIN jobs AS j ON j.id = c.id
+    WHERE CASE j.status WHEN 'PENDING' THEN j.run_at WHEN 'RETRYING' THEN j.next_attempt_at END
+          <= skiplock_now()
+    ORDER BY c.due_at, c.id
+    LIMIT %(batch)s
+    FOR UPDATE OF j SKIP LOCKED
+),
 -- Each account's candidates ranked oldest due first, so a limited account gets its free slots.
 ranked AS (
     SELECT c.id, c.account_id, c.due_at,
         row_number() OVER (PARTITION BY c.account_id ORDER BY c.due_at, c.id) AS n
-    FROM (SELECT * FROM pending UNION ALL SELECT * FROM retrying) AS c
+    FROM (SELECT * FROM pending UNION ALL SELECT * FROM retrying
+          UNION ALL SELECT * FROM unlimited) AS c
 ),
 -- Cut to the free slots of each limited account, then to the batch, oldest due first.
 picked AS (

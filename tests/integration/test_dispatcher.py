@@ -439,6 +439,28 @@ def test_jobs_of_an_enqueue_that_skipped_its_notify_wait_the_interval_not_the_po
         assert hit.received - at < 1.0, "a job whose enqueue sent no NOTIFY waited for the poll"
 
 
+class ShortAnswer(PgQueue):
+    """A plug-in's finish that answers fewer results than it was given: a bug of its own."""
+
+    def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
+        super().finish(results)
+        return []
+
+
+def test_a_failure_in_the_write_stops_the_worker_loudly(
+    queue: Queue, server: EchoServer
+) -> None:
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
+    enqueue(queue, server.url("/ok"))
+    backend = ShortAnswer(queue.dsn, schema=queue.schema)
+    with recorded("worker-f") as (events, sink):
+        dispatcher = Dispatcher(backend, config, "worker-f", sink)
+        with pytest.raises(ValueError):
+            asyncio.run(asyncio.wait_for(dispatcher.run(), 20))
+    [stop] = [f for kind, f in events if kind == "stop"]
+    assert stop["reason"].startswith("error: ValueError"), stop
+
+
 class EveryWriteLost(PgQueue):
     """The first three result writes (a send and its two resends) lose the connection."""
 
