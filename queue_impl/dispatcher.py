@@ -437,22 +437,9 @@ class Dispatcher:
     ) -> None:
         """Log the claim, then start each call (unless a stop came, or the claim took so long
         that too little of its leases is surely left: those are given back unsent)."""
-        claimed_at = time.monotonic()
-        for lease in leases:
-            self.emit(
-                "claim",
-                job_id=str(lease.job_id),
-                attempt=lease.attempt,
-                lease_token=str(lease.lease_token),
-                locked_until=_iso(lease.locked_until),
-            )
-        for lease in leases:
-            self._failpoint("crash_after_claim", lease)
-        if self.stopping:
-            self._spawn(self._release(leases))
-            return
-        if not self._lease_fits(leases, claim_sent, claimed_at):
-            self._spawn(self._release(leases, reason=LEASE_TOO_SHORT))
+        send, reason = self._log_claim(leases, claim_sent)
+        if not send:
+            self._spawn(self._release(leases, reason=reason))
             return
         for lease in leases:
             self._held[lease.lease_token] = _Held(lease=lease, granted_after=claim_sent)
@@ -547,6 +534,28 @@ class Dispatcher:
                     locked_until=_iso(answer.locked_until),
                 )
 
+    def _log_claim(self, leases: Sequence[Lease], claim_sent: float) -> tuple[bool, str | None]:
+        """Log a claim's events and pass its failpoints; then (send, release reason): send
+        unless a stop came (give the leases back, no reason) or too little of them is surely
+        left (give them back with LEASE_TOO_SHORT; the release is fenced where a lease passed
+        on)."""
+        claimed_at = time.monotonic()
+        for lease in leases:
+            self.emit(
+                "claim",
+                job_id=str(lease.job_id),
+                attempt=lease.attempt,
+                lease_token=str(lease.lease_token),
+                locked_until=_iso(lease.locked_until),
+            )
+        for lease in leases:
+            self._failpoint("crash_after_claim", lease)
+        if self.stopping:
+            return False, None
+        if not self._lease_fits(leases, claim_sent, claimed_at):
+            return False, LEASE_TOO_SHORT
+        return True, None
+
     def _lease_fits(self, leases: Sequence[Lease], claim_sent: float, claimed_at: float) -> bool:
         """Whether the call (its timeout covers the vetting) and the result write fit in what
         is surely left of the leases. Their clock started at the claim's UPDATE, not its
@@ -634,22 +643,9 @@ class Dispatcher:
         claim_sent: float,
     ) -> None:
         claimed_at = time.monotonic()
-        for lease in leases:
-            self.emit(
-                "claim",
-                job_id=str(lease.job_id),
-                attempt=lease.attempt,
-                lease_token=str(lease.lease_token),
-                locked_until=_iso(lease.locked_until),
-            )
-        for lease in leases:
-            self._failpoint("crash_after_claim", lease)
-        if self.stopping:
-            await self._release(leases)
-            return
-        if not self._lease_fits(leases, claim_sent, claimed_at):
-            # Given back (the release is fenced where a lease passed on).
-            await self._release(leases, reason=LEASE_TOO_SHORT)
+        send, reason = self._log_claim(leases, claim_sent)
+        if not send:
+            await self._release(leases, reason=reason)
             return
         current: dict[int, Lease] = dict(enumerate(leases))
         tasks = [asyncio.create_task(self._execute(session, resolver, lease)) for lease in leases]

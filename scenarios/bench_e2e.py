@@ -90,12 +90,12 @@ def run(args: argparse.Namespace) -> int:
              + (" barrier" if args.barrier else ""))
         try:
             _say(f"phase 1, queue only: prefill {prefill} jobs")
-            bench_queue._prefill(server.dsn, schemas[0], prefill)
-            queue = bench_queue._queue_phase(server.dsn, schemas[0], params)
+            bench_queue.prefill(server.dsn, schemas[0], prefill)
+            queue = bench_queue.queue_phase(server.dsn, schemas[0], params)
             _say(f"phase 2, end to end: prefill {prefill} jobs")
             e2e = e2e_phase(server.dsn, schemas[1], params, refill=not args.barrier)
         finally:
-            bench_queue._drop_schemas(server.dsn, schemas)
+            bench_queue.drop_schemas(server.dsn, schemas)
     ratio = e2e.jobs_per_second / queue.jobs_per_second if queue.jobs_per_second else None
     doc = {"benchmark": "e2e", "finished_at": datetime.now(UTC).isoformat(),
            "params": {**asdict(params), "refill": not args.barrier},
@@ -105,11 +105,12 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     _say(f"queue only : {queue.jobs_per_second:8,.0f} jobs/s  cycle p50 "
-         f"{_ms(queue.cycle_p50_ms)} ms  p99 {_ms(queue.cycle_p99_ms)} ms"
+         f"{_one_decimal(queue.cycle_p50_ms)} ms  p99 {_one_decimal(queue.cycle_p99_ms)} ms"
          + ("  (RAN DRY: raise --prefill)" if queue.ran_dry else ""))
     _say(f"end to end : {e2e.jobs_per_second:8,.0f} jobs/s  claim->written p50 "
-         f"{_ms(e2e.job_p50_ms)} ms  p99 {_ms(e2e.job_p99_ms)} ms  CPU s: workers "
-         f"{_num(e2e.worker_cpu_seconds)}, target {_num(e2e.target_cpu_seconds)}"
+         f"{_one_decimal(e2e.job_p50_ms)} ms  p99 {_one_decimal(e2e.job_p99_ms)} ms  "
+         f"CPU s: workers {_one_decimal(e2e.worker_cpu_seconds)}, "
+         f"target {_one_decimal(e2e.target_cpu_seconds)}"
          + ("  (RAN DRY: raise --prefill)" if e2e.ran_dry else ""))
     _say(f"ratio end to end / queue only: {'-' if ratio is None else f'{ratio:.2f}'}")
     _say(f"written: {out}")
@@ -127,7 +128,7 @@ def e2e_phase(dsn: str, schema: str, params: bench_queue.Params, *,
         events = Path(tmp) / "workers"
         events.mkdir()
         with TargetProcess(Path(tmp), name="target-0") as target:
-            bench_queue._prefill(dsn, schema, params.prefill, target_url=target.deliver_url)
+            bench_queue.prefill(dsn, schema, params.prefill, target_url=target.deliver_url)
             config = DispatcherConfig(
                 batch=params.batch, lease_seconds=30.0, http_timeout_seconds=5.0,
                 write_margin_seconds=5.0, poll_seconds=0.5, refill=refill,
@@ -158,7 +159,8 @@ def e2e_phase(dsn: str, schema: str, params: bench_queue.Params, *,
     return E2eResult(
         jobs=len(in_window), seconds=params.duration,
         jobs_per_second=len(in_window) / params.duration,
-        job_p50_ms=_pct(latency.tolist(), 0.50), job_p99_ms=_pct(latency.tolist(), 0.99),
+        job_p50_ms=bench_queue.percentile(latency.tolist(), 0.50),
+        job_p99_ms=bench_queue.percentile(latency.tolist(), 0.99),
         ran_dry=len(writes) >= params.prefill,
         worker_cpu_seconds=_delta(cpu_before[0], cpu_after[0]),
         target_cpu_seconds=_delta(cpu_before[1], cpu_after[1]))
@@ -174,15 +176,7 @@ def _delta(before: float | None, after: float | None) -> float | None:
     return None if before is None or after is None else round(after - before, 2)
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    return bench_queue._percentile(values, q)
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
-def _num(value: float | None) -> str:
+def _one_decimal(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 

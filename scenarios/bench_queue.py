@@ -210,18 +210,18 @@ def measure(server: PgServer, params: Params) -> dict[str, Any]:
     ceiling_schema = f"bench_c_{run_id}"
     try:
         _say(f"prefill: {params.prefill} jobs for the PgQueue phase")
-        enqueue = _prefill(server.dsn, queue_schema, params.prefill)
+        enqueue = prefill(server.dsn, queue_schema, params.prefill)
         _say(f"prefill: {enqueue['jobs_per_second']:,.0f} jobs/s enqueued")
-        queue = _queue_phase(server.dsn, queue_schema, params)
+        queue = queue_phase(server.dsn, queue_schema, params)
         _say(f"prefill: {params.prefill} jobs for the pgbench phase")
-        _prefill(server.dsn, ceiling_schema, params.prefill)
+        prefill(server.dsn, ceiling_schema, params.prefill)
         ceiling = _pgbench_phase(server.dsn, ceiling_schema, params)
     finally:
-        _drop_schemas(server.dsn, [queue_schema, ceiling_schema])
+        drop_schemas(server.dsn, [queue_schema, ceiling_schema])
     return {"enqueue": enqueue, "queue": queue, "ceiling": ceiling}
 
 
-def _prefill(dsn: str, schema: str, count: int, *,
+def prefill(dsn: str, schema: str, count: int, *,
              target_url: str = "http://127.0.0.1:9/deliver") -> dict[str, Any]:
     from queue_impl.interface import NewJob
     from queue_impl.pg import PgQueue
@@ -257,7 +257,7 @@ def _prefill(dsn: str, schema: str, count: int, *,
     return {"jobs": count, "seconds": seconds, "jobs_per_second": count / seconds}
 
 
-def _drop_schemas(dsn: str, schemas: Sequence[str]) -> None:
+def drop_schemas(dsn: str, schemas: Sequence[str]) -> None:
     try:
         with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
             for schema in schemas:
@@ -277,7 +277,7 @@ def _pending(dsn: str, schema: str) -> int:
     return int(row[0]) if row else 0
 
 
-def _percentile(sorted_values: Sequence[float], q: float) -> float | None:
+def percentile(sorted_values: Sequence[float], q: float) -> float | None:
     if not sorted_values:
         return None
     index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
@@ -345,7 +345,7 @@ def _queue_worker(
         queue.close()
 
 
-def _queue_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
+def queue_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
     import multiprocess
     from multiprocess.connection import wait
 
@@ -402,12 +402,12 @@ def _queue_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
         cycles=len(cycles),
         seconds=seconds,
         jobs_per_second=jobs / seconds,
-        cycle_p50_ms=_percentile(cycles, 0.50),
-        cycle_p99_ms=_percentile(cycles, 0.99),
+        cycle_p50_ms=percentile(cycles, 0.50),
+        cycle_p99_ms=percentile(cycles, 0.99),
         ran_dry=any(f["ran_dry"] for f in figures),
         extra={
-            "claim_p50_ms": _percentile(claims, 0.50),
-            "claim_p99_ms": _percentile(claims, 0.99),
+            "claim_p50_ms": percentile(claims, 0.50),
+            "claim_p99_ms": percentile(claims, 0.99),
             "driver": "queue_impl.pg.PgQueue (variant pg), multiprocess fork",
         },
     )
@@ -545,8 +545,8 @@ def _pgbench_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
         cycles=len(latencies),
         seconds=float(duration),
         jobs_per_second=jobs / duration,
-        cycle_p50_ms=_percentile(latencies, 0.50),
-        cycle_p99_ms=_percentile(latencies, 0.99),
+        cycle_p50_ms=percentile(latencies, 0.50),
+        cycle_p99_ms=percentile(latencies, 0.99),
         ran_dry=after == 0,
         extra={
             "driver": "pgbench --protocol=prepared, statements from queue_impl/sql/reference.sql",

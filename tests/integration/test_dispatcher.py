@@ -780,12 +780,12 @@ def test_name_resolution_counts_against_the_http_timeout(queue: Queue, server: E
     assert len(server.hits_for(job.id)) == 1
 
 
-def test_fast_batch_mates_of_a_long_call_are_written_without_waiting_for_it(
-    queue: Queue, server: EchoServer
-) -> None:
-    # One claim takes a slow job (1.6 s, past the 1 s lease) and three fast ones. The fast
-    # results are written as they end, not held for the slow call; the slow call's lease
-    # alone is renewed, so a recovery pass after the first lease ran out moves nothing.
+def _slow_call_and_three_fast(
+    queue: Queue, server: EchoServer, *, refill: bool
+) -> tuple[NewJob, list[NewJob], dict[uuid.UUID, JobState], list[Event], list[int]]:
+    """One claim takes a slow job (1.6 s, past the 1 s lease) and three fast ones; a recovery
+    pass runs once the first lease has run out. (slow, fast, states, events, what recovery
+    moved)."""
     config = replace(
         CONFIG,
         allow_targets=(f"127.0.0.1:{server.port}",),
@@ -793,6 +793,7 @@ def test_fast_batch_mates_of_a_long_call_are_written_without_waiting_for_it(
         http_timeout_seconds=3.0,
         unsafe_timing=True,
         recovery_enabled=False,
+        refill=refill,
     )
     [slow] = enqueue(queue, server.url("/slow"))
     fast = enqueue(queue, server.url("/ok"), count=3)
@@ -805,13 +806,27 @@ def test_fast_batch_mates_of_a_long_call_are_written_without_waiting_for_it(
         return all_terminal(states)
 
     states, events = run_until(queue, config, done)
+    return slow, fast, states, events, recovered
+
+
+def _calls_and_writes(events: list[Event]) -> list[tuple[str, Any]]:
+    return [(kind, f.get("job_id")) for kind, f in events if kind in ("http", "write")]
+
+
+def test_fast_batch_mates_of_a_long_call_are_written_without_waiting_for_it(
+    queue: Queue, server: EchoServer
+) -> None:
+    # The fast results are written as they end, not held for the slow call; the slow call's
+    # lease alone is renewed, so the recovery pass moves nothing.
+    slow, fast, states, events, recovered = _slow_call_and_three_fast(queue, server,
+                                                                      refill=True)
     kinds = [kind for kind, _ in events]
     assert kinds[: kinds.index("http")].count("claim") == 4, "the four jobs share one claim"
     assert recovered == [0]
     for job in [slow, *fast]:
         assert (states[job.id].status, states[job.id].attempts) == (JobStatus.COMPLETED, 1)
         assert len(server.hits_for(job.id)) == 1
-    order = [(kind, f.get("job_id")) for kind, f in events if kind in ("http", "write")]
+    order = _calls_and_writes(events)
     slow_call = order.index(("http", str(slow.id)))
     for job in fast:
         assert order.index(("write", str(job.id))) < slow_call, order
@@ -827,30 +842,12 @@ def test_the_batch_barrier_holds_batch_mates_until_the_slowest_call(
 ) -> None:
     # refill=False, the former loop (and pg-long-tx's): the fast results wait for the slow
     # call, and their leases are renewed meanwhile so that none is recovered.
-    config = replace(
-        CONFIG,
-        allow_targets=(f"127.0.0.1:{server.port}",),
-        lease_seconds=1.0,
-        http_timeout_seconds=3.0,
-        unsafe_timing=True,
-        recovery_enabled=False,
-        refill=False,
-    )
-    [slow] = enqueue(queue, server.url("/slow"))
-    fast = enqueue(queue, server.url("/ok"), count=3)
-    recovered: list[int] = []
-
-    def done(states: dict[uuid.UUID, JobState]) -> bool:
-        hits = server.hits_for(slow.id)
-        if hits and not recovered and time.time() > hits[0].received + 1.2:
-            recovered.append(queue.recover())
-        return all_terminal(states)
-
-    states, events = run_until(queue, config, done)
+    slow, fast, states, events, recovered = _slow_call_and_three_fast(queue, server,
+                                                                      refill=False)
     assert recovered == [0]
     for job in [slow, *fast]:
         assert (states[job.id].status, states[job.id].attempts) == (JobStatus.COMPLETED, 1)
-    order = [(kind, f.get("job_id")) for kind, f in events if kind in ("http", "write")]
+    order = _calls_and_writes(events)
     slow_call = order.index(("http", str(slow.id)))
     for job in fast:
         assert order.index(("write", str(job.id))) > slow_call, order

@@ -64,9 +64,9 @@ def test_pgbench_script_runs_the_reference_statements() -> None:
 
 def test_percentile_picks_from_the_sorted_values() -> None:
     values = [float(v) for v in range(1, 101)]
-    assert bench_queue._percentile(values, 0.5) == 51.0
-    assert bench_queue._percentile(values, 0.99) == 99.0
-    assert bench_queue._percentile([], 0.5) is None
+    assert bench_queue.percentile(values, 0.5) == 51.0
+    assert bench_queue.percentile(values, 0.99) == 99.0
+    assert bench_queue.percentile([], 0.5) is None
 
 
 @pytest.mark.parametrize(

@@ -879,9 +879,16 @@ def run_lines(draw: st.DrawFn, command: str) -> Line:
         words.append(draw(scenario_args))
     words += _flags(draw, options)
     # The closed port last, unless the hostile DSN above is the one to judge.
-    if draw(st.integers(0, 2)) or not any(w.startswith("--dsn") for w in words):
-        words += ["--dsn", CLOSED_DSN]
+    words += closed_port_last(draw, words)
     return Line(words)
+
+
+def closed_port_last(draw: st.DrawFn, words: list[str]) -> list[str]:
+    """`--dsn` at the closed port, last (so it wins), unless a hostile DSN drawn above is the
+    one to judge."""
+    if draw(st.integers(0, 2)) or not any(w.startswith("--dsn") for w in words):
+        return ["--dsn", CLOSED_DSN]
+    return []
 
 
 @st.composite
@@ -892,8 +899,7 @@ def gate_lines(draw: st.DrawFn) -> Line:
             st.sampled_from(available()), garbage), max_size=3).map(",".join), paths),
         "--no-recovery": None, "--set": set_items, "--out": paths,
     })]
-    if draw(st.integers(0, 2)) or not any(w.startswith("--dsn") for w in words):
-        words += ["--dsn", CLOSED_DSN]
+    words += closed_port_last(draw, words)
     return Line(words)
 
 
@@ -911,8 +917,7 @@ def worker_lines(draw: st.DrawFn) -> Line:
         "--failpoint": st.one_of(st.builds(lambda n, p: f"{n}={p}", st.one_of(
             st.sampled_from(FAILPOINT_NAMES), garbage), number_text), garbage),
     }, max_size=8)]
-    if draw(st.integers(0, 2)) or not any(w.startswith("--dsn") for w in words):
-        words += ["--dsn", CLOSED_DSN]
+    words += closed_port_last(draw, words)
     return Line(words)
 
 
@@ -975,9 +980,8 @@ def bench_lines(draw: st.DrawFn) -> Line:
                                "--workers": int_text, "--duration": number_text,
                                "--fault-at": number_text, "--seed": int_text, "--dsn": dsns,
                                "--out": paths, "--runs": paths})
-    if which in ("queue", "recovery", "e2e", "claim") and (
-            draw(st.integers(0, 2)) or not any(w.startswith("--dsn") for w in words)):
-        words += ["--dsn", CLOSED_DSN]
+    if which in ("queue", "recovery", "e2e", "claim"):
+        words += closed_port_last(draw, words)
     return Line(words, allowed=allowed)
 
 
@@ -990,8 +994,7 @@ def sweep_lines(draw: st.DrawFn) -> Line:
                            "--set": st.one_of(garbage, st.sampled_from(
                                ["workers=2", "nope=1", "rate=x"])),
                            "--dsn": dsns, "--out": paths})
-    if draw(st.integers(0, 2)) or not any(w.startswith("--dsn") for w in words):
-        words += ["--dsn", CLOSED_DSN]
+    words += closed_port_last(draw, words)
     return Line(words, allowed={2})
 
 

@@ -12,7 +12,6 @@ import pytest
 
 from reports import cmd_compare
 from scenarios import cli
-from scenarios.cmd_sweep import knee_of, parse_rates
 from scenarios.errors import UsageError
 
 E2E: dict[str, Any] = {
@@ -99,18 +98,3 @@ def test_sweep_results_compare_the_knee_and_each_common_step(tmp_path: Path) -> 
     base = write(tmp_path / "a.json", sweep(200, 200))
     assert cli.main(["compare", base, write(tmp_path / "b.json", sweep(200, 195))]) == 0
     assert cli.main(["compare", base, write(tmp_path / "c.json", sweep(100, 150))]) == 1
-
-
-def test_sweep_rates_and_knee() -> None:
-    assert parse_rates("50,100,400") == (50.0, 100.0, 400.0)
-    for bad in ("", "a", "100,50", "0,10", "nan", "10,10"):
-        with pytest.raises(UsageError, match="--rates"):
-            parse_rates(bad)
-
-    def step(rate: float, meets: bool, short: bool = False) -> dict[str, Any]:
-        return {"rate": rate, "meets_objective": meets, "producers_short": short}
-
-    assert knee_of([step(1, True), step(2, True), step(3, False), step(4, True)]) == 2
-    assert knee_of([step(1, False)]) is None
-    # The producers could not offer a rate: the queue's limit was never found.
-    assert knee_of([step(1, True), step(2, True, short=True)]) is None
