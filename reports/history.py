@@ -16,6 +16,7 @@ history of a million deliveries is six million records), and any tool reads it.
       final_jobs.csv       the queue's job states after the drain
       run.json             how the run ended (drain completed or timed out, exit reason)
       samples.csv          per-second samples; locust/ holds Locust's CSV statistics
+      waits.csv            per-second PostgreSQL sessions by wait event (pg_stat_activity)
       verdict.json         written by the checker
 
 In the CSV logs an empty field is null (so an empty string reads back as null), booleans are
@@ -63,6 +64,7 @@ FINAL_JOBS_FILE = "final_jobs.csv"
 LOG_SUFFIX = ".csv"  # deliveries/<target>.csv, workers/<worker>.csv
 RUN_FILE = "run.json"
 SAMPLES_FILE = "samples.csv"
+WAITS_FILE = "waits.csv"
 LOCUST_DIR = "locust"
 VERDICT_FILE = "verdict.json"
 
@@ -550,6 +552,14 @@ WORKER_LOG = LogFormat(
              ("replaces", "str"), ("op", "str")),
     flatten=_flatten_event,
     unflatten=_unflatten_event,
+)
+# PostgreSQL's sessions of the run's database, sampled once a second from pg_stat_activity.
+# Each sample writes one `connected` row (client sessions, in any state) and one row per wait
+# of the active or idle-in-transaction sessions: `wait` is `type:event`, `CPU` for an active
+# session waiting on nothing, or `idle in transaction` (what pins xmin).
+WAITS_LOG = LogFormat(
+    what="wait sample",
+    columns=(("time", "num"), ("row", "str"), ("wait", "str"), ("sessions", "num")),
 )
 FINAL_JOBS_LOG = LogFormat(
     what="final job state",

@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("scenarios.cmd_run", "run one scenario and judge it"),
     "gate": ("scenarios.cmd_gate", "CI correctness gate: chaos scenarios over seeds, JUnit XML"),
     "check": ("reports.cmd_check", "judge one or more run directories from their history"),
+    "report": ("reports.cmd_report", "an HTML report of one run, or several side by side"),
     "worker": ("scenarios.cmd_worker", "start dispatcher worker processes against a DSN"),
     "target": ("chaos.cmd_target", "run the duplicate-detecting echo target"),
     "bench": ("scenarios.cmd_bench", "benchmarks: queue throughput, checker speed, target"),
@@ -153,6 +154,18 @@ exit codes:
   4    harness failure: a worker exited with an error, or every worker died
 {_INTERRUPTS}
        (the drain above: in-flight calls finish, results are written)""",
+    "report": f"""\
+examples:
+  skiplock report runs/20260101-120000-steady-s1-ab12
+  skiplock report runs/A runs/B --out compare.html
+
+One run: RUN_DIR/report.html, written by `run`, `demo` and `gate` too. Several: one page
+with their headline figures side by side and the same plots overlaid. A run cut short still
+gets a report, which says what it could not read.
+
+exit codes:
+  0    written       2  bad input: not a run directory, --out unwritable       4  harness failure
+{_INTERRUPTS}""",
     "target": f"""\
 examples:
   skiplock target --port 8080 --out runs/manual

@@ -22,11 +22,12 @@ from rich.table import Table
 from scenarios.cmd_run import (
     add_scenario_arguments,
     checked_server,
+    print_report,
     resolve,
     run_options,
     verdict_label,
 )
-from scenarios.spec import ScenarioSpec
+from scenarios.spec import ScenarioSpec, load, replay_command
 
 # The demo's scenario: `steady` with this load and these faulty scripts mixed in, under its
 # own name, so that nothing calls it fault-free.
@@ -95,8 +96,12 @@ def run(args: argparse.Namespace) -> int:
     if is_demo:
         args.overrides = [*DEMO_DEFAULTS, *user_overrides]
     spec, seed = resolve(args, args.scenario)
+    replay = None
     if is_demo:
         spec = demo_spec(spec, user_overrides)
+        replay = replay_command(spec, seed=seed, backend=args.backend, sql_path=args.sql_path,
+                                command=["skiplock", "demo"],
+                                base=demo_spec(load(DEMO_BASE, DEMO_DEFAULTS), []))
     console = Console(highlight=False)
     with checked_server(args) as server:
         console.print(
@@ -107,13 +112,15 @@ def run(args: argparse.Namespace) -> int:
         if spec.description:
             console.print(f"[dim]{spec.name}: {spec.description}[/]")
         with LiveProgress(f"{spec.name} on {args.backend}", console=console) as live:
-            result = run_scenario(spec, run_options(args, seed, server), observer=live,
+            options = dataclasses.replace(run_options(args, seed, server), replay=replay)
+            result = run_scenario(spec, options, observer=live,
                                   announce=lambda m: console.print(f"[dim]{m}[/]"))
     console.print()
     console.print(summary_table(result.run_dir, result.verdict, spec.duration + spec.warmup,
                                 spec.http_timeout))
     console.print(f"run directory: [bold]{result.run_dir}[/]")
     console.print(f"re-check it any time: skiplock check {result.run_dir}")
+    print_report(console, result)
     return result.exit_code
 
 

@@ -41,7 +41,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a key in every scenario")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="where junit.xml, summary.json and runs/ go (default: ./gate)")
+                        help="where report.html, junit.xml, summary.json and runs/ go "
+                        "(default: ./gate)")
+    parser.add_argument("--no-report", action="store_true",
+                        help="skip each case's report.html (about 2 s a case); the gate's "
+                        "own page still lists the cases")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,13 +81,15 @@ def run(args: argparse.Namespace) -> int:
 
     summary = run_gate(backend=args.backend, sql_path=args.sql_path, dsn=args.dsn,
                        out=args.out, seeds=seeds, scenarios=scenarios, overrides=overrides,
-                       report=lambda result: out.print(line(result), soft_wrap=True))
+                       report=lambda result: out.print(line(result), soft_wrap=True),
+                       html=not args.no_report)
     counts = summary.to_json()["counts"]
     verdict = {0: "[green]PASSED[/]", 1: "[bold red]FAILED: a guarantee was violated[/]",
                3: "[yellow]UNDECIDED: some runs could not be judged[/]"}.get(
         summary.exit_code, "[bold red]HARNESS FAILURE[/]")
     out.print(f"gate {verdict}: {counts['pass']} passed, {counts['fail']} failed,"
               f" {counts['unknown']} unknown, {counts['error']} errors in"
-              f" {summary.seconds:.0f} s; {args.out / 'junit.xml'},"
+              f" {summary.seconds:.0f} s; {args.out / 'report.html'},"
+              f" {args.out / 'junit.xml'},"
               f" {args.out / 'summary.json'}")
     return summary.exit_code

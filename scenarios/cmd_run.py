@@ -19,7 +19,7 @@ import random
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -47,6 +47,8 @@ def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a .sql file whose named blocks replace the reference queue's")
     parser.add_argument("--schema", default=None,
                         help="schema for the queue (default: a fresh one, dropped after)")
+    parser.add_argument("--no-report", action="store_true",
+                        help="skip report.html (`skiplock report RUN_DIR` writes it later)")
     parser.add_argument("--no-recovery", action="store_true",
                         help="switch the workers' lease recovery off")
     parser.add_argument("--duration", type=float, help="load phase, seconds")
@@ -186,7 +188,8 @@ def run_options(args: argparse.Namespace, seed: int, server: PgServer) -> RunOpt
     from scenarios.runner import RunOptions
 
     return RunOptions(backend=args.backend, seed=seed, out=args.out, dsn=args.dsn,
-                      sql_path=args.sql_path, schema=args.schema, server=server)
+                      sql_path=args.sql_path, schema=args.schema, server=server,
+                      report=not args.no_report)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -222,7 +225,18 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(verdict.to_json(), indent=2, default=str))
     else:
         print_verdict(Console(highlight=False), verdict, result.run_dir)
+    print_report(console, result)
     return result.exit_code
+
+
+def print_report(console: Console, result: Any) -> None:
+    """Where report.html is, or why it was not written (the verdict stands either way)."""
+    if result.report is not None:
+        console.print(f"report: {result.report}  (open it in a browser)", markup=False,
+                      soft_wrap=True)
+    elif result.report_error is not None:
+        console.print(f"report not written ({result.report_error}); try: skiplock report "
+                      f"{result.run_dir}", markup=False, soft_wrap=True)
 
 
 def verdict_label(valid: object) -> str:

@@ -190,9 +190,10 @@ def check_backend_on(server: Any, backend: str, sql_path: str | None) -> None:
 
 
 def run_case(scenario: str, seed: int, *, server: Any, backend: str, sql_path: str | None,
-             out: Path, overrides: Sequence[str] = ()) -> CaseResult:
-    """One scenario x seed, judged. Bad input raises UsageError (it would fail every case
-    alike); a harness failure is this case's result (exit 4)."""
+             out: Path, overrides: Sequence[str] = (), report: bool = True) -> CaseResult:
+    """One scenario x seed, judged (and its report.html written, unless `report` is off).
+    Bad input raises UsageError (it would fail every case alike); a harness failure is this
+    case's result (exit 4)."""
     from scenarios.runner import RunOptions, run_scenario
     from scenarios.spec import SpecError, load
 
@@ -201,7 +202,7 @@ def run_case(scenario: str, seed: int, *, server: Any, backend: str, sql_path: s
     except SpecError as exc:
         raise UsageError(str(exc)) from None
     options = RunOptions(backend=backend, seed=seed, out=out, sql_path=sql_path,
-                         server=server, worker_logs_to_files=True)
+                         server=server, worker_logs_to_files=True, report=report)
     started = time.monotonic()
     try:
         result = run_scenario(spec, options)
@@ -226,7 +227,8 @@ def run_case(scenario: str, seed: int, *, server: Any, backend: str, sql_path: s
 def run_gate(*, backend: str = "pg", sql_path: str | None = None, dsn: str | None = None,
              out: Path = DEFAULT_OUT, seeds: Sequence[int], scenarios: Sequence[str],
              overrides: Sequence[str] = (),
-             report: Callable[[CaseResult], None] | None = None) -> GateSummary:
+             report: Callable[[CaseResult], None] | None = None,
+             html: bool = True) -> GateSummary:
     """Run every case and write junit.xml and summary.json, also when interrupted."""
     summary = GateSummary(backend=backend, sql_path=sql_path, seeds=list(seeds),
                           scenarios=list(scenarios))
@@ -238,7 +240,8 @@ def run_gate(*, backend: str = "pg", sql_path: str | None = None, dsn: str | Non
             check_backend_on(server, backend, sql_path)
             for scenario, seed in cases(scenarios, seeds):
                 result = run_case(scenario, seed, server=server, backend=backend,
-                                  sql_path=sql_path, out=runs, overrides=overrides)
+                                  sql_path=sql_path, out=runs, overrides=overrides,
+                                  report=html)
                 summary.results.append(result)
                 if report is not None:
                     report(result)
@@ -252,6 +255,9 @@ def run_gate(*, backend: str = "pg", sql_path: str | None = None, dsn: str | Non
 
 
 def write_results(out: Path, summary: GateSummary) -> None:
+    """summary.json, junit.xml and report.html (each case linked to its run's report)."""
+    from reports.report import REPORT_FILE, write_index
+
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "summary.json.partial"
     tmp.write_text(json.dumps(summary.to_json(), indent=2, default=str) + "\n")
@@ -261,6 +267,11 @@ def write_results(out: Path, summary: GateSummary) -> None:
     tmp = out / "junit.xml.partial"
     tree.write(tmp, encoding="utf-8", xml_declaration=True)
     os.replace(tmp, out / "junit.xml")
+    write_index(f"skiplock gate: backend {summary.backend}"
+                + (f", sql {summary.sql_path}" if summary.sql_path else ""),
+                [{"case": f"{r.scenario} seed {r.seed}", "outcome": r.outcome,
+                  "seconds": r.seconds, "message": "" if r.exit_code == 0 else r.message(),
+                  "run_dir": r.run_dir} for r in summary.results], out / REPORT_FILE)
 
 
 def junit(summary: GateSummary) -> ET.ElementTree:

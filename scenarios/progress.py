@@ -32,10 +32,13 @@ from reports.history import (
     ENQUEUE_LOG,
     ENQUEUES_FILE,
     LOG_SUFFIX,
+    WAITS_FILE,
+    WAITS_LOG,
     WORKER_LOG,
     WORKERS_DIR,
     HistoryError,
     LogFormat,
+    LogWriter,
     parse_header,
     parse_row,
 )
@@ -124,9 +127,21 @@ def live_counts_query(schema: str) -> sql.Composed:
     ).format(t=sql.SQL("{}.jobs").format(sql.Identifier(schema)))
 
 
+# The run database's client sessions by what they wait on; a NULL label is an idle session.
+# pg_stat_activity is shared memory, not a table: reading it costs the same at any size.
+WAITS_QUERY = (
+    "SELECT label, count(*) FROM ("
+    " SELECT CASE WHEN state LIKE 'idle in transaction%' THEN 'idle in transaction'"
+    " WHEN state = 'active' THEN COALESCE(wait_event_type || ':' || wait_event, 'CPU')"
+    " END AS label FROM pg_stat_activity"
+    " WHERE backend_type = 'client backend' AND datname = current_database()"
+    " AND pid <> pg_backend_pid()) AS sessions GROUP BY label")
+
+
 class Sampler:
     """Counts, one call per sample. Uses its own connection; falls back to the backend's
-    snapshot when the queue's tables are not the reference schema (a plug-in backend)."""
+    snapshot when the queue's tables are not the reference schema (a plug-in backend). With
+    a DSN it also writes waits.csv: the run database's sessions by wait event."""
 
     def __init__(self, run_dir: Path, dsn: str | None, schema: str,
                  backend: QueueBackend | None = None,
@@ -151,6 +166,7 @@ class Sampler:
         self.last: Sample | None = None
         self._conn: psycopg.Connection[Any] | None = None
         self._use_sql = dsn is not None
+        self._waits: LogWriter | None = None
 
     def _read_files(self) -> None:
         # Enqueues first: an invoke is written before its job exists. A delivery read right
@@ -267,6 +283,25 @@ class Sampler:
             counts[state.status.value] = counts.get(state.status.value, 0) + 1
         return counts
 
+    def _sample_waits(self, now: float) -> None:
+        """One waits.csv sample: the run database's sessions, and what the busy ones wait on.
+        Skipped when the server cannot be asked right now (a fault may be cutting it)."""
+        if self.dsn is None or self._conn is None or self._conn.closed:
+            return
+        try:
+            rows = self._conn.execute(WAITS_QUERY).fetchall()
+        except psycopg.Error:
+            return
+        if self._waits is None:
+            self._waits = LogWriter(self.run_dir / WAITS_FILE, WAITS_LOG)
+        stamp = round(now, 3)
+        self._waits.write({"time": stamp, "row": "connected",
+                           "sessions": sum(int(n) for _, n in rows)})
+        for label, count in rows:
+            if label is not None:
+                self._waits.write({"time": stamp, "row": "wait", "wait": str(label),
+                                   "sessions": int(count)})
+
     def sample(self, phase: str, *, final: bool = False) -> Sample:
         """The counts now. `final`: nothing writes any more, so deliveries still waiting for
         their invoke are judged against one more read of the enqueues."""
@@ -276,6 +311,8 @@ class Sampler:
             self._judge_waiting()
         counts = self.status_counts(exact=final) or {}
         now = time.time()
+        if not final:
+            self._sample_waits(now)
         rate = 0.0
         if self.last is not None and now > self.last.time:
             rate = (self.ok - self.last.enqueued) / (now - self.last.time)
@@ -320,6 +357,9 @@ class Sampler:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        if self._waits is not None:
+            self._waits.close()
+            self._waits = None
 
 
 class SampleWriter:

@@ -61,7 +61,7 @@ from reports.selfdescribe import describe
 from scenarios.errors import HarnessError, UsageError
 from scenarios.progress import Observer, Sample, Sampler, SampleWriter
 from scenarios.provision import DSN_ENV, PgServer, postgres, redact_dsn
-from scenarios.spec import FAILPOINT_NAMES, ScenarioSpec
+from scenarios.spec import FAILPOINT_NAMES, ScenarioSpec, replay_command
 
 DEFAULT_OUT = Path("runs")
 
@@ -83,6 +83,11 @@ class RunOptions:
     # Workers' stderr (reconnects, failed claims under faults) to RUN_DIR/logs/ instead of
     # the terminal.
     worker_logs_to_files: bool = False
+    # Write RUN_DIR/report.html once the run is judged (reports.report).
+    report: bool = True
+    # The command that replays this run (spec.json and the report show it); None: `skiplock
+    # run` of the shipped scenario, with --set for what differs.
+    replay: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -92,6 +97,9 @@ class RunResult:
     info: RunInfo
     samples: list[Sample] = field(default_factory=list)
     description: dict[str, Any] = field(default_factory=dict)
+    # RUN_DIR/report.html, or None when not written (switched off, or why it failed below).
+    report: Path | None = None
+    report_error: str | None = None
 
     @property
     def exit_code(self) -> int:
@@ -580,6 +588,9 @@ def run_scenario(
                 "schema": schema,
                 "sql_path": options.sql_path,
                 "nemesis_schedule": [p.to_json() for p in planned],
+                "replay": options.replay or replay_command(
+                    spec, seed=options.seed, backend=options.backend,
+                    sql_path=options.sql_path),
                 **description,
                 **extra,
             },
@@ -753,8 +764,22 @@ def run_scenario(
     except HistoryError as exc:
         raise HarnessError(f"the run's own history cannot be read: {exc}") from exc
     write_verdict(run_dir, verdict)
-    return RunResult(run_dir=run_dir, verdict=verdict, info=info,
-                     samples=list(loop.samples) if loop else [], description=description)
+    result = RunResult(run_dir=run_dir, verdict=verdict, info=info,
+                       samples=list(loop.samples) if loop else [], description=description)
+    if options.report:
+        result.report, result.report_error = _write_report(run_dir)
+    return result
+
+
+def _write_report(run_dir: Path) -> tuple[Path | None, str | None]:
+    """report.html next to the verdict. The report is derived from the history, so failing
+    to draw it costs the run nothing: the verdict stands and `skiplock report` can retry."""
+    from reports.report import write_report
+
+    try:
+        return write_report([run_dir]), None
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 @contextlib.contextmanager

@@ -15,10 +15,12 @@ code 2.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
 import re
+import shlex
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -525,3 +527,42 @@ def load(scenario: str, overrides: Sequence[str] = ()) -> ScenarioSpec:
     path = resolve_path(scenario)
     spec = from_mapping(read_document(path), default_name=path.stem)
     return apply_overrides(spec, overrides).validate()
+
+
+def replay_command(spec: ScenarioSpec, *, seed: int, backend: str, sql_path: str | None,
+                   command: Sequence[str] | None = None,
+                   base: ScenarioSpec | None = None) -> str:
+    """The command line that runs `spec` again with the same seed: `command` (by default
+    `skiplock run` and the shipped scenario `spec` is named after) plus `--set` for every key
+    that differs from `base` (by default that shipped scenario). A fault schedule that
+    differs cannot be written as `--set`: the command says so."""
+    shipped = spec.name in available()
+    words = list(command or ["skiplock", "run",
+                             spec.name if shipped else f"{spec.name}.toml"])
+    words += ["--seed", str(seed)]
+    if backend != "pg":
+        words += ["--backend", backend]
+    if sql_path:
+        words += ["--sql", sql_path]
+    if base is None and shipped:
+        with contextlib.suppress(SpecError):
+            base = load(spec.name)
+    if base is None:
+        return shlex.join(words)
+    for key in SCALAR_KEYS:
+        value = getattr(spec, key)
+        if value != getattr(base, key) and key not in ("name", "description"):
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            words += ["--set", f"{key}={text}"]
+    for table in _TABLES:
+        ours, theirs = dict(getattr(spec, table)), dict(getattr(base, table))
+        for sub, value in ours.items():
+            if theirs.get(sub, object()) != value:
+                shown = "unlimited" if value is None else value
+                words += ["--set", f"{table}.{sub}={shown}"]
+        if set(theirs) - set(ours):
+            return shlex.join(words) + f"  # and without {table} {sorted(set(theirs) - set(ours))}"
+    command = shlex.join(words)
+    if spec.nemesis != base.nemesis:
+        command += "  # with the fault schedule recorded in spec.json (nemesis)"
+    return command

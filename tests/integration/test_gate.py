@@ -95,6 +95,11 @@ def test_gate_fails_the_naive_queue_with_junit_naming_the_anomaly(tmp_path: Path
     run_dir = Path(summary["results"][0]["run_dir"])
     # The run directory stands on its own: the same verdict from `skiplock check`.
     assert skiplock("check", run_dir).returncode == 1
+    # The gate's page lists the case as failed and links its run's own report.
+    page = (out / "report.html").read_text()
+    assert "noisy-neighbour seed 1" in page and ">FAIL</span>" in page
+    assert f"href='runs/{run_dir.name}/report.html'" in page
+    assert ">VIOLATED</span>" in (run_dir / "report.html").read_text()
 
 
 @pytest.mark.chaos

@@ -1,0 +1,266 @@
+"""The report's figures (matplotlib, drawn off-screen to PNG).
+
+Every time plot shares one axis, seconds since the load started, with the run's phases
+marked and, for one run, every fault window shaded and named, so a dip in throughput lines
+up with what caused it. Several runs are drawn over each other, one colour per run.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display: figures only ever become PNG bytes
+
+import matplotlib.pyplot as plt
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from reports.report_data import (
+    RunData,
+    attempts_table,
+    in_flight_by_account,
+    latencies,
+    percentiles_over_time,
+    throughput,
+    wait_samples,
+)
+
+WIDTH_INCHES = 11.0
+DPI = 110
+_FAULT_COLOURS = ("#e4572e", "#8e44ad", "#f39c12", "#16a085", "#c0392b", "#2c3e50",
+                  "#d35400", "#7f8c8d", "#27ae60", "#2980b9")
+_SERIES_COLOURS = {"enqueued": "#4c72b0", "delivered": "#55a868", "completed": "#222222",
+                   "dead-lettered": "#c44e52"}
+_RUN_STYLES = ("-", "--", ":", "-.")
+
+
+def png(figure: Figure, *, tight: bool = True) -> bytes:
+    """The figure as PNG bytes. `tight=False` for a figure laid out by hand: measuring a
+    log axis's tick labels for a tight box costs most of a second."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=DPI, bbox_inches="tight" if tight else None)
+    plt.close(figure)
+    return buffer.getvalue()
+
+
+def _mark_phases(ax: Axes, run: RunData, label: bool) -> None:
+    for phase in run.phases:
+        start = phase.get("start")
+        if phase.get("name") in ("load", "drain") and isinstance(start, int | float):
+            x = float(start) - run.t0
+            ax.axvline(x, color="#999999", linestyle=":", linewidth=1)
+            if label:
+                ax.annotate(f"{phase['name']} →", (x, 1.0), xycoords=("data", "axes fraction"),
+                            xytext=(3, -11), textcoords="offset points", fontsize=8,
+                            color="#666666")
+
+
+def _shade_faults(ax: Axes, run: RunData, label: bool) -> list[Patch]:
+    """Shade each applied fault's window; returns legend handles, one per fault kind."""
+    kinds: dict[str, str] = {}
+    applied = [f for f in run.faults if not f.get("skipped")]
+    for fault in applied:
+        kind = str(fault.get("fault"))
+        colour = kinds.setdefault(kind, _FAULT_COLOURS[len(kinds) % len(_FAULT_COLOURS)])
+        start = float(fault["start"]) - run.t0
+        end_raw = fault.get("end")
+        end = (float(end_raw) - run.t0 if isinstance(end_raw, int | float)
+               and math.isfinite(end_raw) else start)
+        # A fault that is one instant (a kill) still gets a visible band.
+        ax.axvspan(start, max(end, start + 0.15), color=colour, alpha=0.18, linewidth=0)
+        if label and len(applied) <= 12:
+            ax.annotate(f"{kind} {fault.get('target') or ''}".strip(), (start, 0.98),
+                        xycoords=("data", "axes fraction"), rotation=90, va="top",
+                        ha="right", fontsize=7, color=colour)
+    return [Patch(color=c, alpha=0.35, label=k) for k, c in kinds.items()]
+
+
+def _decorate(ax: Axes, runs: Sequence[RunData], *, first: bool) -> list[Patch]:
+    handles: list[Patch] = []
+    if len(runs) == 1:
+        _mark_phases(ax, runs[0], label=first)
+        handles = _shade_faults(ax, runs[0], label=first)
+    ax.grid(True, alpha=0.3)
+    ax.set_xlim(left=0)
+    return handles
+
+
+def _empty(ax: Axes, message: str) -> None:
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes,
+            fontsize=10, color="#777777")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def throughput_figure(runs: Sequence[RunData], width: float, end: float) -> bytes:
+    figure, ax = plt.subplots(figsize=(WIDTH_INCHES, 3.6))
+    drawn = False
+    for index, run in enumerate(runs):
+        style = _RUN_STYLES[index % len(_RUN_STYLES)]
+        for name, series in throughput(run, width, end).items():
+            if len(runs) > 1 and name not in ("delivered", "completed"):
+                continue
+            label = name if len(runs) == 1 else f"{name}: {run.name}"
+            ax.plot(series.index, series.to_numpy(), style, color=_SERIES_COLOURS[name],
+                    label=label, linewidth=1.4 if name != "completed" else 1.0)
+            drawn = True
+    if not drawn:
+        _empty(ax, "no enqueue, delivery or worker log could be read")
+        return png(figure)
+    faults = _decorate(ax, runs, first=True)
+    ax.set_ylabel("per second")
+    ax.set_xlabel("seconds since the load started")
+    ax.set_title(f"Throughput ({width:g} s bins)", loc="left", fontsize=11)
+    lines, names = ax.get_legend_handles_labels()
+    ax.legend(lines + faults, names + [f"fault: {p.get_label()}" for p in faults],
+              fontsize=8, loc="upper right", ncol=2 if len(faults) > 2 else 1)
+    ax.set_ylim(bottom=0)
+    return png(figure)
+
+
+def latency_figure(runs: Sequence[RunData], width: float) -> bytes:
+    names = ("enqueue → claim", "enqueue → first delivery", "HTTP call")
+    figure, axes = plt.subplots(1, 3, figsize=(WIDTH_INCHES, 3.4), sharex=True)
+    for column, (ax, name) in enumerate(zip(axes, names, strict=True)):
+        drawn = False
+        for index, run in enumerate(runs):
+            frame = latencies(run).get(name)
+            if frame is None or frame.empty:
+                continue
+            table = percentiles_over_time(frame, width)
+            style = _RUN_STYLES[index % len(_RUN_STYLES)]
+            suffix = "" if len(runs) == 1 else f" {run.name}"
+            for q, colour in (("p50", "#4c72b0"), ("p95", "#dd8452"), ("p99", "#c44e52")):
+                if len(runs) > 1 and q == "p95":
+                    continue
+                ax.plot(table.index, table[q].to_numpy(), style, color=colour,
+                        label=q + suffix, linewidth=1.2)
+            drawn = True
+        if not drawn:
+            _empty(ax, f"{name}:\nnot recorded")
+            continue
+        _decorate(ax, runs, first=column == 0)
+        ax.set_yscale("log")
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("seconds since the load started", fontsize=8)
+        if column == 0:
+            ax.set_ylabel("seconds (log)")
+            ax.legend(fontsize=7, loc="upper left")
+        ax.tick_params(labelsize=8)
+    figure.suptitle(f"Latency percentiles over time ({width:g} s bins)", x=0.01, ha="left",
+                    fontsize=11)
+    figure.subplots_adjust(left=0.07, right=0.99, bottom=0.15, top=0.82, wspace=0.22)
+    return png(figure, tight=False)
+
+
+def load_figure(run: RunData, width: float) -> bytes:
+    """Queue depth and in-flight work, and each account's in-flight deliveries against its
+    limit."""
+    figure, (left, right) = plt.subplots(1, 2, figsize=(WIDTH_INCHES, 3.4))
+    samples = run.samples
+    if samples is not None and {"time", "queue_depth", "in_flight"} <= set(samples.columns):
+        at = samples["time"] - run.t0
+        left.plot(at, samples["queue_depth"], color="#4c72b0", label="queued (pending + "
+                  "retrying)")
+        left.plot(at, samples["in_flight"], color="#dd8452", label="in flight (leased)")
+        _decorate(left, [run], first=True)
+        left.legend(fontsize=8, loc="upper right")
+        left.set_ylim(bottom=0)
+    else:
+        _empty(left, "samples.csv not available")
+    left.set_title("Queue depth (sampled once a second)", fontsize=10)
+    left.set_xlabel("seconds since the load started", fontsize=8)
+    table = in_flight_by_account(run, width)
+    limits = run.limits()
+    if table.empty:
+        _empty(right, "no delivery log")
+    else:
+        ranked = sorted(table.columns, key=lambda a: (a not in limits, -table[a].max()))[:6]
+        for index, account in enumerate(ranked):
+            colour = f"C{index}"
+            right.step(table.index, table[account].to_numpy(), where="mid", color=colour,
+                       label=f"{account} (limit {limits[account]})" if account in limits
+                       else f"{account} (no limit)", linewidth=1.2)
+            if account in limits:
+                right.axhline(limits[account], color=colour, linestyle="--", linewidth=0.9)
+        _decorate(right, [run], first=False)
+        right.legend(fontsize=8, loc="upper right")
+        right.set_ylim(bottom=0)
+    right.set_title("Deliveries in flight per account (max per bin) vs limit (dashed)",
+                    fontsize=10)
+    right.set_xlabel("seconds since the load started", fontsize=8)
+    figure.tight_layout()
+    return png(figure)
+
+
+def attempts_figure(runs: Sequence[RunData]) -> bytes:
+    figure, ax = plt.subplots(figsize=(WIDTH_INCHES / 2, 3.2))
+    tables = [(run, attempts_table(run)) for run in runs]
+    if all(table.empty for _, table in tables):
+        _empty(ax, "final_jobs.csv not available")
+        return png(figure)
+    if len(runs) == 1:
+        table = tables[0][1]
+        table.plot.bar(stacked=True, ax=ax, color=[_status_colour(s) for s in table.columns],
+                       width=0.7)
+    else:
+        totals = pd.DataFrame({run.name: table.sum(axis=1) for run, table in tables
+                               if not table.empty}).fillna(0)
+        totals.plot.bar(ax=ax, width=0.8)
+    ax.set_xlabel("attempts used (final snapshot)")
+    ax.set_ylabel("jobs")
+    ax.set_title("Jobs by attempts used and final status", loc="left", fontsize=10)
+    ax.tick_params(axis="x", rotation=0)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return png(figure)
+
+
+def _status_colour(status: str) -> str:
+    return {"COMPLETED": "#55a868", "FAILED": "#c44e52", "PENDING": "#4c72b0",
+            "RETRYING": "#dd8452", "PROCESSING": "#8172b3"}.get(status, "#999999")
+
+
+def waits_figure(run: RunData) -> bytes:
+    figure, ax = plt.subplots(figsize=(WIDTH_INCHES, 3.2))
+    table, connected = wait_samples(run)
+    if connected.empty:
+        _empty(ax, "waits.csv not available: no wait events were sampled")
+        return png(figure)
+    if not table.empty:
+        order = table.sum().sort_values(ascending=False).index
+        top = list(order[:7])
+        shown = table[top].copy()
+        if len(order) > 7:
+            shown["other"] = table[list(order[7:])].sum(axis=1)
+        ax.stackplot(shown.index, shown.T.to_numpy(), labels=list(shown.columns), alpha=0.85,
+                     step="mid")
+    ax.plot(connected.index, connected.to_numpy(), color="#333333", linewidth=0.8,
+            linestyle="--", label="connected sessions")
+    _decorate(ax, [run], first=True)
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("sessions")
+    ax.set_xlabel("seconds since the load started")
+    ax.set_title("PostgreSQL sessions by wait event (pg_stat_activity, once a second; CPU = "
+                 "active, waiting on nothing)", loc="left", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return png(figure)
+
+
+Plot = Callable[..., bytes]
+
+
+def safely(plot: Plot, *args: Any) -> tuple[bytes | None, str | None]:
+    """A figure, or why it could not be drawn: one bad series must not cost the report."""
+    try:
+        return plot(*args), None
+    except Exception as exc:
+        plt.close("all")
+        return None, f"{type(exc).__name__}: {exc}"
