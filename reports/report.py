@@ -252,7 +252,7 @@ def _single(run: RunData) -> str:
         "<h2>Latency</h2>",
         _img(*safely(latency_figure, [run], width), "latency"),
         "<h2>Load per account</h2>",
-        _img(*safely(load_figure, run, width), "queue depth and account load"),
+        _img(*safely(load_figure, run, width, end), "queue depth and account load"),
         _outcomes_html(run),
         "<h2>PostgreSQL wait events</h2>",
         _img(*safely(waits_figure, run), "wait events"),

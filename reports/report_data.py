@@ -373,6 +373,34 @@ def in_flight_by_account(run: RunData, width: float) -> pd.DataFrame:
     return table.sort_index()
 
 
+def outstanding_by_account(run: RunData, width: float, end: float) -> pd.DataFrame:
+    """Per account, jobs acknowledged and not yet finished by an applied write, at the end of
+    each time bin: its share of the queue (waiting, retrying or in flight). A job that
+    recovery dead-lettered has no write, so it stays counted: the final snapshot says which."""
+    if run.enqueues is None or run.events is None:
+        return pd.DataFrame()
+    invokes = run.enqueues[run.enqueues["type"] == "invoke"].drop_duplicates("job_id")
+    account = pd.Series(invokes["account"].to_numpy(), index=invokes["job_id"].to_numpy())
+    oks = run.enqueues[run.enqueues["type"] == "ok"]
+    writes = run.events[(run.events["kind"] == "write") & (run.events["result"] == "applied")]
+    done, failed = finishing_writes(run)
+    finished = writes.loc[done.index.union(failed.index)].drop_duplicates("job_id")
+    changes = pd.concat([
+        pd.DataFrame({"at": oks["time"].to_numpy() - run.t0, "delta": 1,
+                      "account": oks["job_id"].map(account).to_numpy()}),
+        pd.DataFrame({"at": finished["time"].to_numpy() - run.t0, "delta": -1,
+                      "account": finished["job_id"].map(account).to_numpy()}),
+    ]).dropna(subset=["account", "at"])
+    if changes.empty:
+        return pd.DataFrame()
+    edges = np.arange(0.0, end + width, width)
+    changes["bin"] = np.clip(np.searchsorted(edges, changes["at"], side="right"), 0,
+                             len(edges)) * width
+    table = changes.pivot_table(index="bin", columns="account", values="delta", aggfunc="sum")
+    table = table.reindex(np.arange(0, len(edges) + 1) * width).fillna(0).cumsum()
+    return table.clip(lower=0)
+
+
 def wait_samples(run: RunData) -> tuple[pd.DataFrame, pd.Series]:
     """(sessions per wait per sample, connected sessions per sample), indexed by time on the
     run's axis."""
