@@ -21,10 +21,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 from psycopg import sql
+from psycopg.rows import dict_row
 
 from queue_impl.sqlfile import statements_and_sources
 from reports.selfdescribe import describe
@@ -116,45 +117,76 @@ def measure(dsn: str, statements: dict[str, str], backlog: int, batch: int,
             repeat: int) -> SizeResult:
     schema = f"{SCHEMA_PREFIX}_{backlog}"
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
-        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
-        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
-        conn.execute(statements["schema"])
+        create_schema(conn, schema, statements)
         started = time.perf_counter()
         _fill(conn, backlog)
         fill_seconds = time.perf_counter() - started
     try:
         with psycopg.connect(dsn) as conn:
-            conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+            use_schema(conn, schema)
             conn.commit()
-            params = {"batch": batch, "lease": timedelta(seconds=60), "worker_id": "bench"}
+            params = claim_params(batch)
             times: list[float] = []
             claimed = 0
             for _ in range(repeat):
                 t0 = time.perf_counter()
-                locked = [row[0] for row in
-                          conn.execute(statements["claim_lock_accounts"], params).fetchall()]
-                claimed = len(conn.execute(statements["claim"],
-                                           {**params, "locked_accounts": locked}).fetchall())
+                claimed = len(claim(conn, statements, params))
                 conn.rollback()
                 times.append((time.perf_counter() - t0) * 1000)
-            locked = [row[0] for row in
-                      conn.execute(statements["claim_lock_accounts"], params).fetchall()]
-            row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statements["claim"],
-                               {**params, "locked_accounts": locked}).fetchone()
+            locked = lock_accounts(conn, statements, params)
+            plan = explain_analyze(conn, statements["claim"], {**params, "locked_accounts": locked})
             conn.rollback()
     finally:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE")
                          .format(sql.Identifier(schema)))
-    assert row is not None
-    plan = row[0][0]
     filtered, buffers = plan_work(plan["Plan"])
     times.sort()
     return SizeResult(backlog=backlog, claimed=claimed, p50_ms=statistics.median(times),
                       p99_ms=times[min(len(times) - 1, int(len(times) * 0.99))],
                       execution_ms=float(plan["Execution Time"]), rows_filtered=filtered,
                       buffers=buffers, fill_seconds=round(fill_seconds, 2))
+
+
+def create_schema(conn: psycopg.Connection[Any], schema: str, statements: dict[str, str]) -> None:
+    """A fresh schema holding the queue's tables and indexes (its `schema` block), left as the
+    connection's search_path."""
+    conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+    conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    use_schema(conn, schema)
+    conn.execute(statements["schema"])
+
+
+def use_schema(conn: psycopg.Connection[Any], schema: str) -> None:
+    conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+
+
+def claim_params(batch: int) -> dict[str, Any]:
+    """The claim's parameters but the locked accounts, as a worker passes them."""
+    return {"batch": batch, "lease": timedelta(seconds=60), "worker_id": "bench"}
+
+
+def lock_accounts(conn: psycopg.Connection[Any], statements: dict[str, str],
+                  params: dict[str, Any]) -> list[str]:
+    """The claim's first statement: the limited accounts it locked."""
+    return [row[0] for row in conn.execute(statements["claim_lock_accounts"], params)]
+
+
+def claim(conn: psycopg.Connection[Any], statements: dict[str, str],
+          params: dict[str, Any]) -> list[dict[str, Any]]:
+    """Both statements of a claim, in the caller's transaction: the rows claimed, by column."""
+    locked = lock_accounts(conn, statements, params)
+    return conn.cursor(row_factory=dict_row).execute(
+        statements["claim"], {**params, "locked_accounts": locked}).fetchall()
+
+
+def explain_analyze(conn: psycopg.Connection[Any], statement: str,
+                    params: dict[str, Any]) -> dict[str, Any]:
+    """The executed plan (EXPLAIN ANALYZE, BUFFERS), its top object: "Plan", "Execution
+    Time" and the rest. The statement really runs: roll back if it writes."""
+    row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement, params).fetchone()
+    assert row is not None
+    return cast(dict[str, Any], row[0][0])
 
 
 def _fill(conn: psycopg.Connection[Any], backlog: int) -> None:
@@ -189,4 +221,5 @@ def plan_work(node: dict[str, Any]) -> tuple[int, int]:
     return removed, int(node.get("Shared Hit Blocks", 0)) + int(node.get("Shared Read Blocks", 0))
 
 
-__all__: Sequence[str] = ("configure", "measure", "plan_work", "run")
+__all__: Sequence[str] = ("claim", "claim_params", "configure", "create_schema", "explain_analyze",
+                          "lock_accounts", "measure", "plan_work", "run", "use_schema")

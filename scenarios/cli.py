@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "target": ("chaos.cmd_target", "run the duplicate-detecting echo target"),
     "bench": ("scenarios.cmd_bench", "benchmarks: queue throughput, checker speed, target"),
     "sweep": ("scenarios.cmd_sweep", "capacity: step the offered rate, find the knee"),
+    "plans": ("scenarios.cmd_plans", "the claim's cost as the jobs table grows and bloats"),
     "compare": ("reports.cmd_compare", "compare two result files; exit 1 on a regression"),
 }
 
@@ -190,6 +191,21 @@ directory under --out.
 
 exit codes:
   0    swept (whatever the knee)       2  bad input       4  harness failure
+{_INTERRUPTS}""",
+    "plans": f"""\
+examples:
+  skiplock plans                                  # 10k, 100k, 1M and 10M jobs
+  skiplock plans --sizes 10k,100k --out plans-small
+  skiplock plans --sql my-queue.sql --dsn postgresql://user@db/scratch
+
+At each size (the table grown from the last, never refilled) the claim, recovery and the
+result write run under EXPLAIN (ANALYZE, BUFFERS), rolled back, with the queue's partial
+indexes, with plain ones instead, under a snapshot held open while jobs churn, and vacuumed.
+Writes plans.json, plans.csv and plans.png under --out; what it fills is dropped after.
+
+exit codes:
+  0    measured       2  bad input (--sizes, --sql, --out, an unreachable --dsn)
+  4    harness failure
 {_INTERRUPTS}""",
     "compare": f"""\
 examples:
