@@ -1006,6 +1006,23 @@ def compare_lines(draw: st.DrawFn) -> Line:
 
 
 @st.composite
+def plans_lines(draw: st.DrawFn) -> Line:
+    words = ["plans", *_flags(draw, {
+        "--sizes": st.one_of(garbage, st.sampled_from(
+            ["10k,100k", "1m", "0", "1,x", "-5", "10k,10k", "99999999999999"])),
+        "--batch": int_text, "--repeat": int_text, "--sql": paths, "--dsn": dsns,
+        "--out": paths})]
+    words += closed_port_last(draw, words)
+    return Line(words, allowed={2})
+
+
+@st.composite
+def report_lines(draw: st.DrawFn) -> Line:
+    dirs = draw(st.lists(st.one_of(st.just("run"), paths), min_size=0, max_size=2))
+    return Line(["report", *dirs, *_flags(draw, {"--out": paths})], allowed={0, 2})
+
+
+@st.composite
 def check_lines(draw: st.DrawFn) -> Line:
     dirs = draw(st.lists(st.one_of(st.just("run"), paths), min_size=0, max_size=3))
     words = ["check", *dirs, *_flags(draw, {"--tolerance": number_text,
@@ -1017,8 +1034,8 @@ def check_lines(draw: st.DrawFn) -> Line:
 def command_lines(draw: st.DrawFn) -> Line:
     line: Line = draw(st.one_of(
         run_lines("run"), run_lines("demo"), gate_lines(), worker_lines(), target_lines(),
-        bench_lines(), check_lines(), sweep_lines(), compare_lines(),
-        st.lists(garbage, max_size=3).map(Line)))
+        bench_lines(), check_lines(), sweep_lines(), compare_lines(), plans_lines(),
+        report_lines(), st.lists(garbage, max_size=3).map(Line)))
     if draw(st.integers(0, 9)) == 0:
         line.argv.insert(0, "--debug")
     if draw(st.integers(0, 19)) == 0:
