@@ -168,23 +168,21 @@ SELECT pg_notify(%(channel)s, '');
 -- left to it this round, and the next ones in line are locked instead.
 -- NO KEY UPDATE, not UPDATE: claimers still exclude each other, but the KEY SHARE lock that the
 -- jobs -> accounts foreign key takes on every enqueue does not wait behind a claim.
-WITH
--- Due RETRYING work per account, read once from the retrying partial index (a small backlog).
-retrying AS (
-    SELECT j.account_id, min(j.next_attempt_at) AS due_at
-    FROM jobs AS j
-    WHERE j.status = 'RETRYING' AND j.next_attempt_at <= skiplock_now()
-    GROUP BY j.account_id
-)
 SELECT a.id
 FROM accounts AS a
-LEFT JOIN retrying AS r ON r.account_id = a.id
 -- The account's oldest due PENDING job: one probe of the per-account pending index.
 CROSS JOIN LATERAL (
     SELECT min(j.run_at) AS due_at
     FROM jobs AS j
     WHERE j.status = 'PENDING' AND j.account_id = a.id AND j.run_at <= skiplock_now()
 ) AS p
+-- Its oldest due RETRYING job, one probe of the per-account retrying index likewise. (Read
+-- as one GROUP BY over every due retry, a backlog of 50k retries cost 50k buffers a claim.)
+CROSS JOIN LATERAL (
+    SELECT min(j.next_attempt_at) AS due_at
+    FROM jobs AS j
+    WHERE j.status = 'RETRYING' AND j.account_id = a.id AND j.next_attempt_at <= skiplock_now()
+) AS r
 WHERE a.concurrency_limit IS NOT NULL
   AND (p.due_at IS NOT NULL OR r.due_at IS NOT NULL)
   -- Full by this snapshot: only a hint, so full accounts do not use up the cap (the claim
@@ -339,24 +337,22 @@ SELECT * FROM claimed ORDER BY due_at, id;
 -- The pg-for-update variant's step 1: the same accounts as claim_lock_accounts, but it waits
 -- for locked ones, and so locks them in id order (one order for every claimer: no deadlock).
 WITH
--- Due RETRYING work per account, read once from the retrying partial index (a small backlog).
-retrying AS (
-    SELECT j.account_id, min(j.next_attempt_at) AS due_at
-    FROM jobs AS j
-    WHERE j.status = 'RETRYING' AND j.next_attempt_at <= skiplock_now()
-    GROUP BY j.account_id
-),
 -- The same choice of accounts as claim_lock_accounts, made from this statement's snapshot.
 chosen AS (
     SELECT a.id
 FROM accounts AS a
-LEFT JOIN retrying AS r ON r.account_id = a.id
 -- The account's oldest due PENDING job: one probe of the per-account pending index.
 CROSS JOIN LATERAL (
     SELECT min(j.run_at) AS due_at
     FROM jobs AS j
     WHERE j.status = 'PENDING' AND j.account_id = a.id AND j.run_at <= skiplock_now()
 ) AS p
+-- Its oldest due RETRYING job: one probe of the per-account retrying index.
+CROSS JOIN LATERAL (
+    SELECT min(j.next_attempt_at) AS due_at
+    FROM jobs AS j
+    WHERE j.status = 'RETRYING' AND j.account_id = a.id AND j.next_attempt_at <= skiplock_now()
+) AS r
 WHERE a.concurrency_limit IS NOT NULL
   AND (p.due_at IS NOT NULL OR r.due_at IS NOT NULL)
   -- Full by this snapshot: only a hint, so full accounts do not use up the cap (the claim

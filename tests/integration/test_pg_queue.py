@@ -431,6 +431,38 @@ def test_a_full_accounts_backlog_costs_the_claim_nothing(queue: PgQueue, pg_dsn:
     assert buffers < 200, f"claim_lock_accounts touched {buffers} buffers"
 
 
+def test_a_long_due_retry_backlog_costs_the_account_lock_step_nothing(
+        queue: PgQueue, pg_dsn: str) -> None:
+    """20k due RETRYING jobs of one limited account (a target that was down): choosing the
+    accounts to lock probes each account's retrying index once, instead of reading every due
+    retry to find each account's oldest (found by `skiplock plans`: 50k buffers a claim at
+    50k due retries)."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(queue.schema)))
+        conn.execute("INSERT INTO accounts (id, concurrency_limit) "
+                     "VALUES ('down', 4), ('open', 5)")
+        conn.execute(
+            """
+            INSERT INTO jobs (id, account_id, target_url, payload, status, run_at, attempts,
+                next_attempt_at)
+            SELECT gen_random_uuid(), 'down', 'http://t/', '{}'::jsonb, 'RETRYING',
+                now() - interval '1 hour', 1, now() - interval '1 minute' + i * interval '1 ms'
+            FROM generate_series(1, 20000) AS i
+            """
+        )
+        conn.execute("INSERT INTO jobs (id, account_id, target_url, payload, run_at) "
+                     "SELECT gen_random_uuid(), 'open', 'http://t/', '{}', now() "
+                     "FROM generate_series(1, 20)")
+        conn.execute("ANALYZE jobs")
+        conn.execute("ANALYZE accounts")
+    lock_plan = queue.explain_analyze("claim_lock_accounts", {"batch": 10})
+    assert lock_plan["Plan"]["Actual Rows"] == 2, lock_plan  # both accounts have due work
+    removed, buffers = plan_work(lock_plan["Plan"])
+    assert removed < 100, f"claim_lock_accounts filtered out {removed} rows"
+    # About 15 here; reading every due retry touched about 300 at this size.
+    assert buffers < 60, f"claim_lock_accounts touched {buffers} buffers"
+
+
 def test_a_claim_leaves_unlimited_accounts_work_for_a_concurrent_claimer(
     queue: PgQueue, pg_dsn: str, fresh_schema: str
 ) -> None:
