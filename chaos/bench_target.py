@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from chaos.target import TargetProcess
+from plumbing.argtypes import non_negative_float, positive_float, positive_int
+from plumbing.errors import HarnessError, UsageError
 from queue_impl.interface import ACCOUNT_HEADER, ATTEMPT_HEADER, JOB_ID_HEADER, WORKER_HEADER
 from reports.history import SUCCEED, write_json
 from reports.selfdescribe import describe
-from scenarios.argtypes import non_negative_float, positive_float, positive_int
-from scenarios.errors import HarnessError, UsageError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

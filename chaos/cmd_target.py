@@ -22,9 +22,9 @@ from chaos.target import (
     serve,
     url_for,
 )
+from plumbing.argtypes import port, positive_float
+from plumbing.errors import Terminated, UsageError
 from reports.history import DELIVERIES_DIR, LOG_SUFFIX, HistoryError
-from scenarios.argtypes import port, positive_float
-from scenarios.errors import Terminated, UsageError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

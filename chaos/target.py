@@ -45,6 +45,7 @@ from typing import Any, assert_never
 
 from aiohttp import web
 
+from plumbing.orphans import die_with_parent, name_this_process
 from queue_impl.interface import ACCOUNT_HEADER, ATTEMPT_HEADER, JOB_ID_HEADER, WORKER_HEADER
 from reports.history import (
     DELIVERIES_DIR,
@@ -59,7 +60,6 @@ from reports.history import (
     read_log,
     unescape_text,
 )
-from scenarios.orphans import die_with_parent, name_this_process
 
 DEFAULT_HANG_CAP_SECONDS = 600.0
 # How long a stopping target waits for deliveries still being answered (slow, hang).

@@ -27,9 +27,9 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
+from plumbing.errors import UsageError
 from queue_impl.sqlfile import statements_and_sources
 from reports.selfdescribe import describe
-from scenarios.errors import UsageError
 from scenarios.provision import postgres
 
 SCHEMA_PREFIX = "skiplock_bench_claim"

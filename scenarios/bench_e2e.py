@@ -25,9 +25,9 @@ from pathlib import Path
 import pandas as pd
 
 from chaos.bench_target import cpu_seconds
+from plumbing.errors import HarnessError, UsageError
 from reports.selfdescribe import describe
 from scenarios import bench_queue
-from scenarios.errors import HarnessError, UsageError
 from scenarios.provision import postgres
 
 DEFAULT_DURATION = 10.0

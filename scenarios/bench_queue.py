@@ -31,8 +31,8 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from plumbing.errors import HarnessError, UsageError
 from reports.selfdescribe import describe
-from scenarios.errors import HarnessError, UsageError
 from scenarios.provision import PgServer, pg_binary, postgres
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -46,6 +46,8 @@ from chaos.nemesis import (
     default_duration,
     spec_from_mapping,
 )
+from plumbing.argtypes import positive_float, positive_int
+from plumbing.errors import HarnessError, UsageError
 from reports.history import (
     DELIVERIES_DIR,
     ENQUEUES_FILE,
@@ -59,8 +61,6 @@ from reports.history import (
     write_json,
 )
 from reports.selfdescribe import describe
-from scenarios.argtypes import positive_float, positive_int
-from scenarios.errors import HarnessError, UsageError
 from scenarios.spec import ScenarioSpec, SpecError, from_mapping
 
 # The order the kinds run in by default: every kind a scenario may name.

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from scenarios.errors import HarnessError, Terminated, UsageError, sigterm_as_interrupt
+from plumbing.errors import HarnessError, Terminated, UsageError, sigterm_as_interrupt
 
 __all__ = ["COMMANDS", "EPILOGS", "Terminated", "build_parser", "main", "sigterm_as_interrupt"]
 

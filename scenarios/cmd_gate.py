@@ -14,8 +14,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from plumbing.errors import UsageError
 from scenarios.cmd_run import check_dsn
-from scenarios.errors import UsageError
 from scenarios.gate import DEFAULT_OUT, SUITE, line, resolve_scenarios, run_gate
 from scenarios.provision import DSN_ENV, check_reachable
 

@@ -28,10 +28,10 @@ from typing import Any
 
 import pandas as pd
 
+from plumbing.argtypes import positive_int
+from plumbing.errors import UsageError
 from queue_impl.sqlfile import statements_and_sources
 from reports.selfdescribe import describe
-from scenarios.argtypes import positive_int
-from scenarios.errors import UsageError
 from scenarios.plans import (
     CHURN_CAP,
     CHURN_DIVISOR,

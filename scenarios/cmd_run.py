@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from chaos.nemesis import NemesisError, check_schedule, shortcut
-from scenarios.errors import UsageError
+from plumbing.errors import UsageError
 from scenarios.provision import DSN_ENV, PgServer
 from scenarios.spec import ScenarioSpec, SpecError, available, load
 

@@ -39,6 +39,7 @@ from typing import Any
 import pandas as pd
 import psycopg
 
+from plumbing.errors import UsageError
 from reports.history import (
     ENQUEUES_FILE,
     RUN_FILE,
@@ -46,7 +47,6 @@ from reports.history import (
     read_json,
 )
 from reports.selfdescribe import describe
-from scenarios.errors import UsageError
 from scenarios.spec import SpecError
 
 DELIVERED_SHARE = 0.9  # of the offered rate, for a step to meet the objective

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psycopg
 
+from plumbing.errors import HarnessError, UsageError, sigterm_as_interrupt
 from queue_impl.dispatcher import (
     FAILPOINT_EXIT_CODE,
     FAILPOINT_NAMES,
@@ -31,7 +32,6 @@ from queue_impl.dispatcher import (
 )
 from queue_impl.plugins import BackendSpec, validate_backend_name
 from reports.history import LOG_SUFFIX
-from scenarios.errors import HarnessError, UsageError, sigterm_as_interrupt
 from scenarios.provision import DSN_ENV, postgres
 from scenarios.workers import WorkerPool
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scenarios.errors import HarnessError, UsageError
+from plumbing.errors import HarnessError, UsageError
 
 # The suite, in the order it runs. Each entry is a scenario of scenarios/specs/.
 SUITE: tuple[str, ...] = (

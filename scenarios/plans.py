@@ -40,6 +40,7 @@ from typing import Any, Literal
 import psycopg
 from psycopg import IsolationLevel, sql
 
+from plumbing.errors import HarnessError
 from queue_impl.plugins import scrub
 from scenarios.bench_claim import (
     claim,
@@ -50,7 +51,6 @@ from scenarios.bench_claim import (
     plan_work,
 )
 from scenarios.bench_queue import drop_schemas
-from scenarios.errors import HarnessError
 from scenarios.provision import fresh_database
 
 SCHEMA_PREFIX = "skiplock_plans"

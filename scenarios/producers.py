@@ -55,6 +55,7 @@ from locust.exception import StopUser
 from locust.runners import MasterRunner, Runner
 from locust.stats import PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_history
 
+from plumbing.orphans import die_with_parent, name_this_process
 from queue_impl.interface import NewJob, QueueBackend
 from queue_impl.plugins import BackendSpec
 from reports.history import (
@@ -65,7 +66,6 @@ from reports.history import (
     EnqueueType,
     LogWriter,
 )
-from scenarios.orphans import die_with_parent, name_this_process
 from scenarios.spec import Chooser, ScenarioSpec, from_mapping
 
 # Errors the server raised about the statement itself: the transaction was rolled back

@@ -7,7 +7,7 @@ normally, on error, on Ctrl-C and on SIGTERM. SIGTERM unwinds as the caller arra
 CLI turns it into `Terminated`, a KeyboardInterrupt, for every command and every server
 source); only a process that would otherwise die of it outright gets that same handling here.
 If the harness is SIGKILLed, the embedded server gets SIGQUIT from the kernel and a small
-remover process deletes its data folder (`scenarios.orphans`).
+remover process deletes its data folder (`plumbing.orphans`).
 
 The embedded server is driven directly (initdb, then `postgres` as a child in its own session)
 rather than through `pgserver.get_server`, so the harness owns its whole lifecycle: a fresh
@@ -40,9 +40,9 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from plumbing.errors import HarnessError, Terminated, UsageError, sigterm_as_interrupt
+from plumbing.orphans import FolderRemover, die_with_parent, start_folder_remover
 from queue_impl.plugins import dsn_problem, redact
-from scenarios.errors import HarnessError, Terminated, UsageError, sigterm_as_interrupt
-from scenarios.orphans import FolderRemover, die_with_parent, start_folder_remover
 
 DSN_ENV = "SKIPLOCK_PG_DSN"
 

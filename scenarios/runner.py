@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import psycopg
 from psycopg import sql
 
+from plumbing.errors import HarnessError, UsageError
 from queue_impl.dispatcher import DispatcherConfig
 from queue_impl.interface import (
     Account,
@@ -58,7 +59,6 @@ from reports.history import (
     write_json,
 )
 from reports.selfdescribe import describe
-from scenarios.errors import HarnessError, UsageError
 from scenarios.progress import Observer, Sample, Sampler, SampleWriter
 from scenarios.provision import DSN_ENV, PgServer, postgres, redact_dsn
 from scenarios.spec import FAILPOINT_NAMES, ScenarioSpec, replay_command

@@ -23,6 +23,8 @@ from typing import Any
 
 import multiprocess
 
+from plumbing.errors import HarnessError, UsageError
+from plumbing.orphans import die_with_parent, name_this_process
 from queue_impl.dispatcher import (
     BackendFactory,
     DispatcherConfig,
@@ -39,8 +41,6 @@ from reports.history import (
     parse_header,
     parse_row,
 )
-from scenarios.errors import HarnessError, UsageError
-from scenarios.orphans import die_with_parent, name_this_process
 
 _RECORD_FIELDS = ("job_id", "attempt")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from plumbing.errors import UsageError
 from scenarios import bench_claim, bench_queue
-from scenarios.errors import UsageError
 
 pytestmark = pytest.mark.integration
 

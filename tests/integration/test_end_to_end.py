@@ -413,7 +413,7 @@ class _Proc:
 
 
 def test_a_producer_stopped_for_overrunning_is_not_a_harness_failure() -> None:
-    from scenarios.errors import HarnessError
+    from plumbing.errors import HarnessError
     from scenarios.runner import _check_producers, _wait_phases
 
     spec = spec_mod.load("steady", ["warmup=0", "duration=0.2"])

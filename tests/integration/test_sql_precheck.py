@@ -23,6 +23,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from plumbing.errors import UsageError
 from queue_impl.interface import (
     Account,
     AttemptResult,
@@ -37,7 +38,6 @@ from queue_impl.pg import PgQueue, _sample_params
 from queue_impl.sqlfile import BLOCK_NAMES, REFERENCE_PATH, allowed_placeholders
 from reports.history import VERDICT_FILE, read_json
 from scenarios import spec as spec_mod
-from scenarios.errors import UsageError
 from scenarios.runner import RunOptions, run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from plumbing.errors import UsageError
 from queue_impl.sqlfile import reference_statements
 from scenarios import bench_queue
-from scenarios.errors import UsageError
 
 
 def _args(*argv: str) -> argparse.Namespace:

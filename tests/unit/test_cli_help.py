@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
+from plumbing.errors import HarnessError, Terminated, UsageError, sigterm_as_interrupt
 from scenarios import cli, provision
-from scenarios.errors import HarnessError, Terminated, UsageError, sigterm_as_interrupt
 
 EXIT_CODES = ("0", "1", "2", "3", "4", "130", "143")
 

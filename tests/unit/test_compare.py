@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from plumbing.errors import UsageError
 from reports import cmd_compare
 from scenarios import cli
-from scenarios.errors import UsageError
 
 E2E: dict[str, Any] = {
     "benchmark": "e2e",

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from plumbing.errors import HarnessError, UsageError
 from scenarios import provision
-from scenarios.errors import HarnessError, UsageError
 from scenarios.provision import DSN_ENV, choose_source, postgres, redact_dsn
 
 

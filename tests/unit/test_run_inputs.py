@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 import pytest
 
+from plumbing.errors import UsageError
 from queue_impl.plugins import (
     DSN_HIDDEN,
     BackendSpec,
@@ -25,7 +26,6 @@ from queue_impl.plugins import (
 )
 from scenarios import spec as spec_mod
 from scenarios.cmd_run import check_dsn, check_out
-from scenarios.errors import UsageError
 from scenarios.provision import _scrub, redact_dsn
 from scenarios.spec import NAME_MAX, SpecError
 
