@@ -6,7 +6,9 @@ its header which anomalies it must cause (`-- expect:`) and which gate scenario 
 (`-- scenario:`). A race, which needs two claims at the same instant, may say how many
 seeds it gets (`-- seeds: N`, as the gate's `--seeds`), and must be caught in one of them. A
 mutant whose bug no scenario can see yet says `-- expect: (none ...)` and is skipped with
-its reason, so the gap stays visible.
+its reason, so the gap stays visible. `-- set: KEY=VALUE, ...` overrides scenario keys for
+this mutant only (a shorter drain where the bug shows during the load and its jobs never
+end).
 
 The seed is fixed for a reproducible suite (SKIPLOCK_TEST_SEED overrides it); the reference
 is held to every seed by the gate's own sweeps, which the README reports.
@@ -39,6 +41,7 @@ class Mutant:
     scenario: str
     gap: str | None  # why no scenario can catch it yet
     seeds: int = 1
+    overrides: tuple[str, ...] = ()  # `-- set: KEY=VALUE, ...`
 
 
 def read_mutant(path: Path) -> Mutant:
@@ -53,7 +56,9 @@ def read_mutant(path: Path) -> Mutant:
     unknown = set(kinds) - set(COUNT_KEYS)
     assert not unknown, f"{path.name}: unknown anomalies {unknown}"
     seeds = re.search(r"^-- seeds: (\d+)$", text, re.M)
-    return Mutant(path, kinds, scenario.group(1), None, int(seeds.group(1)) if seeds else 1)
+    overrides = re.search(r"^-- set: (.+)$", text, re.M)
+    return Mutant(path, kinds, scenario.group(1), None, int(seeds.group(1)) if seeds else 1,
+                  tuple(o.strip() for o in overrides.group(1).split(",")) if overrides else ())
 
 
 MUTANTS = [read_mutant(p) for p in sorted(MUTANTS_DIR.glob("*.sql"))]
@@ -83,7 +88,8 @@ def test_the_gate_catches_the_mutant_with_the_anomaly_of_its_bug(
     for seed in range(SEED, SEED + mutant.seeds):
         # The verdict is what is tested here; report.html has its own tests.
         result = run_case(mutant.scenario, seed, server=server, backend="pg",
-                          sql_path=str(mutant.path), out=tmp_path, report=False)
+                          sql_path=str(mutant.path), out=tmp_path, overrides=mutant.overrides,
+                          report=False)
         missing = [kind for kind in mutant.expect if not result.counts.get(kind)]
         if result.exit_code == 1 and not missing:
             return
