@@ -110,6 +110,24 @@ _DESCRIPTIVE_KEYS = frozenset({"enqueued", "delivered", "completed", "failed",
                                "duplicate_explained"})
 VIOLATION_KEYS: tuple[str, ...] = tuple(k for k in COUNT_KEYS if k not in _DESCRIPTIVE_KEYS)
 EXAMPLE_KINDS: tuple[str, ...] = (*VIOLATION_KEYS, "duplicate_explained")
+# Each anomaly in a line (the README's table says it in full; a test holds the two to the
+# same names). The report shows these next to the counts.
+MEANINGS: dict[str, str] = {
+    "lost": "acknowledged, never delivered with 2xx, and not legitimately dead-lettered",
+    "unexpected": "a delivery of a job never enqueued (or whose enqueue failed)",
+    "duplicate_explained": "a 2xx delivered again, explained by a recorded fault or timeout "
+                           "(at-least-once, as promised)",
+    "duplicate_unexplained": "a 2xx delivered again with nothing recorded to explain it",
+    "concurrent_delivery": "two deliveries of one job in flight at once, the first lease "
+                           "still held",
+    "attempts_exceeded": "more deliveries than max_attempts (or one after a permanent "
+                         "failure)",
+    "early_retry": "a retry sent before the backoff allows",
+    "limit_exceeded": "more deliveries of one account in flight than its limit",
+    "stuck": "a job not finished after a completed drain",
+    "state_mismatch": "the final state disagrees with what the target saw",
+    "stale_write": "a result applied after another worker claimed a later attempt",
+}
 MAX_EXAMPLES = 10
 DEFAULT_TOLERANCE_SECONDS = 0.25
 # How long after it was due a retry's claim may come (a poll, a busy worker), for the window

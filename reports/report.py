@@ -23,6 +23,7 @@ from typing import Any
 
 import pandas as pd
 
+from reports.checker import MEANINGS
 from reports.history import HistoryError
 from reports.report_data import (
     VIOLATIONS,
@@ -134,8 +135,7 @@ def _counts_table(run: RunData) -> str:
                     f'<td class="num">{_e(value)}</td><td>{_e(meaning + note)}</td></tr>')
     explained = counts.get("duplicate_explained", 0)
     rows.append(f'<tr><td><code>duplicate_explained</code></td><td class="num">{explained}'
-                '</td><td>a 2xx delivered again, explained by a recorded fault or timeout '
-                '(at-least-once, as promised)</td></tr>')
+                f'</td><td>{_e(MEANINGS["duplicate_explained"])}</td></tr>')
     return ("<table><tr><th>anomaly</th><th>count</th><th>meaning</th></tr>"
             + "".join(rows) + "</table>")
 

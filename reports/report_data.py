@@ -22,6 +22,7 @@ from typing import Any, cast
 import numpy as np
 import pandas as pd
 
+from reports.checker import MEANINGS, VIOLATION_KEYS
 from reports.history import (
     DELIVERIES_DIR,
     ENQUEUES_FILE,
@@ -455,26 +456,14 @@ def headline(run: RunData) -> dict[str, Any]:
             for q in (50, 99):
                 figures[f"{name} p{q} (s)"] = round(float(frame["seconds"].quantile(q / 100)),
                                                     3)
-    violations = sum(v for k, v in counts.items() if k in VIOLATIONS and isinstance(v, int))
+    violations = sum(v for k, v in counts.items()
+                     if k in VIOLATION_KEYS and isinstance(v, int))
     figures["violations"] = violations if run.verdict else "?"
     return figures
 
 
-# The verdict's anomalies, each with what it means (README's table, in a line each).
-VIOLATIONS: dict[str, str] = {
-    "lost": "acknowledged, never delivered with 2xx, and not legitimately dead-lettered",
-    "unexpected": "a delivery of a job never enqueued (or whose enqueue failed)",
-    "duplicate_unexplained": "a 2xx delivered again with nothing recorded to explain it",
-    "concurrent_delivery": "two deliveries of one job in flight at once, the first lease "
-                           "still held",
-    "attempts_exceeded": "more deliveries than max_attempts (or one after a permanent "
-                         "failure)",
-    "early_retry": "a retry sent before the backoff allows",
-    "limit_exceeded": "more deliveries of one account in flight than its limit",
-    "stuck": "a job not finished after a completed drain",
-    "state_mismatch": "the final state disagrees with what the target saw",
-    "stale_write": "a result applied after another worker claimed a later attempt",
-}
+# The verdict's anomalies, each with what it means, in the checker's order.
+VIOLATIONS: dict[str, str] = {key: MEANINGS[key] for key in VIOLATION_KEYS}
 
 
 def verdict_word(valid: Any) -> str:

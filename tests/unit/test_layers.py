@@ -48,3 +48,4 @@ def test_the_rule_sees_an_upward_import(tmp_path: Path) -> None:
 def test_every_package_is_placed_in_a_layer() -> None:
     packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
     assert packages == set(LAYERS), packages
+
