@@ -84,6 +84,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f"duration, at least {PREFILL_MIN})",
     )
     parser.add_argument(
+        "--against", choices=["pgqueuer"], default=None,
+        help="also measure pgqueuer (its own QueueManager; pip install 'skiplock[pgqueuer]') "
+        "with the same workers, batch, backlog and server",
+    )
+    parser.add_argument(
         "--dsn", default=None, help="PostgreSQL DSN (default: SKIPLOCK_PG_DSN, else embedded)"
     )
     parser.add_argument(
@@ -113,6 +118,11 @@ def validate(args: argparse.Namespace) -> Params:
 
 def run(args: argparse.Namespace) -> int:
     params = validate(args)
+    against = getattr(args, "against", None)
+    if against == "pgqueuer":
+        from scenarios.bench_pgqueuer import require_pgqueuer
+
+        require_pgqueuer()  # said before anything runs
     out = args.out or Path("bench-results") / f"queue-{_stamp()}.json"
     # Refuse an unwritable --out before spending a benchmark's time.
     if out.is_dir():
@@ -134,6 +144,12 @@ def run(args: argparse.Namespace) -> int:
             f"duration={params.duration:g}s prefill={params.prefill}"
         )
         result = measure(server, params)
+        other = None
+        if against == "pgqueuer":
+            from scenarios.bench_pgqueuer import pgqueuer_phase
+
+            other = pgqueuer_phase(server.dsn, workers=params.workers, batch=params.batch,
+                                   duration=params.duration, prefill=params.prefill, say=_say)
     ratio = (
         result["queue"].jobs_per_second / result["ceiling"].jobs_per_second
         if result["ceiling"].jobs_per_second > 0
@@ -151,10 +167,19 @@ def run(args: argparse.Namespace) -> int:
         "queue": asdict(result["queue"]),
         "ceiling": asdict(result["ceiling"]),
         "ratio": ratio,
+        **({"pgqueuer": other,
+            "ratio_to_pgqueuer": (result["queue"].jobs_per_second / other["jobs_per_second"]
+                                  if other["jobs_per_second"] > 0 else None)}
+           if other else {}),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     _print_summary(result["queue"], result["ceiling"], ratio)
+    if other is not None:
+        _say(f"pgqueuer {other['version']} (its QueueManager): "
+             f"{other['jobs_per_second']:,.0f} jobs/s, {other['jobs']} jobs"
+             + (" (ran dry: raise --prefill)" if other["ran_dry"] else ""))
+        _say(f"ratio PgQueue/pgqueuer: {doc['ratio_to_pgqueuer'] or 0:.2f}")
     _say(f"written: {out}")
     return 0
 

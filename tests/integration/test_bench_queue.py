@@ -58,6 +58,29 @@ def test_bench_queue_writes_a_self_describing_result(pg_dsn: str, tmp_path: Path
     assert row == (0,)
 
 
+def test_bench_queue_against_pgqueuer_measures_it_beside_the_reference(
+        pg_dsn: str, tmp_path: Path) -> None:
+    """pgqueuer's own QueueManager processes drain the same backlog on the same server, and
+    their database is gone afterwards."""
+    pytest.importorskip("pgqueuer", reason="pip install 'skiplock[pgqueuer]'")
+    out = tmp_path / "queue.json"
+    parser = argparse.ArgumentParser()
+    bench_queue.configure(parser)
+    args = parser.parse_args(["--workers", "2", "--batch", "5", "--duration", "1",
+                              "--prefill", "3000", "--against", "pgqueuer", "--dsn", pg_dsn,
+                              "--out", str(out)])
+    assert bench_queue.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert 0 < doc["pgqueuer"]["jobs"] <= 3000
+    assert doc["pgqueuer"]["version"]
+    assert doc["ratio_to_pgqueuer"] == pytest.approx(
+        doc["queue"]["jobs_per_second"] / doc["pgqueuer"]["jobs_per_second"])
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_database "
+                           "WHERE datname LIKE 'skiplock\\_pgqueuer%'").fetchone()
+    assert row == (0,)
+
+
 def test_bench_claim_measures_each_backlog_and_leaves_nothing(pg_dsn: str,
                                                               tmp_path: Path) -> None:
     out = tmp_path / "claim.json"

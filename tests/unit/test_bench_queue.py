@@ -93,3 +93,15 @@ def test_cli_bad_input_exits_2_with_one_line(
     assert captured.err.count("\n") == 1
     assert captured.err.startswith("skiplock: ")
     assert "sekret-pw" not in captured.err + captured.out
+
+
+def test_against_pgqueuer_without_it_installed_is_bad_input(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from plumbing.errors import UsageError
+    from scenarios.bench_pgqueuer import require_pgqueuer
+
+    monkeypatch.setitem(sys.modules, "pgqueuer", None)  # import fails as if absent
+    with pytest.raises(UsageError, match=r"pip install 'skiplock\[pgqueuer\]'"):
+        require_pgqueuer()

@@ -1,0 +1,142 @@
+"""`skiplock bench queue --against pgqueuer`: the same measurement on pgqueuer, the PostgreSQL
+queue from PyPI, as its users deploy it (its own `QueueManager` loop, buffered completions,
+heartbeats), beside the reference in the same command.
+
+W processes each run one `QueueManager` with a do-nothing entrypoint and `batch_size` B, on
+a backlog the size of the reference's, in a database of its own on the same server (durable
+settings, as the other phases). They start together, stop dequeuing after `duration`
+seconds, finish what they hold and flush their completions; the jobs gone from pgqueuer's
+queue table divided by the duration is the rate, as the PgQueue phase counts the jobs its
+workers finished in the same time. pgqueuer keeps no claim/finish cycle of its own to time,
+so this phase has no cycle latency.
+
+pgqueuer is optional (`pip install 'skiplock[pgqueuer]'`); without it `--against pgqueuer`
+is bad input, said before anything runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+
+from plumbing.errors import HarnessError, UsageError
+from scenarios.provision import fresh_database
+
+ENTRYPOINT = "skiplock_bench"
+ENQUEUE_CHUNK = 5_000
+READY_TIMEOUT_SECONDS = 60.0
+
+
+def require_pgqueuer() -> str:
+    """pgqueuer's version; UsageError when it is not installed."""
+    try:
+        from importlib.metadata import version
+
+        import pgqueuer  # noqa: F401
+    except ImportError:
+        raise UsageError("--against pgqueuer needs pgqueuer: pip install 'skiplock[pgqueuer]'"
+                         ) from None
+    return version("pgqueuer")
+
+
+async def _prefill(dsn: str, count: int) -> float:
+    from pgqueuer.db import PsycopgDriver
+    from pgqueuer.queries import Queries
+
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    try:
+        queries = Queries(PsycopgDriver(conn))
+        await queries.install()
+        started = time.perf_counter()
+        for first in range(0, count, ENQUEUE_CHUNK):
+            n = min(ENQUEUE_CHUNK, count - first)
+            await queries.enqueue([ENTRYPOINT] * n, [None] * n, [0] * n)
+        seconds = time.perf_counter() - started
+        # The reference's prefill ends the same way: fresh statistics, nothing to flush.
+        # (Without them, right after the bulk insert, pgqueuer's dequeue ran at 435 jobs/s
+        # against 3,900 once analyzed, at 80k jobs.)
+        await conn.execute("VACUUM ANALYZE")
+        await conn.execute("CHECKPOINT")
+        return seconds
+    finally:
+        await conn.close()
+
+
+async def _work(dsn: str, batch: int, duration: float, ready: Any, go: Any) -> None:
+    from pgqueuer.db import PsycopgDriver
+    from pgqueuer.domain.types import QueueExecutionMode
+    from pgqueuer.qm import QueueManager
+    from pgqueuer.queries import Queries
+
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    try:
+        manager = QueueManager(Queries(PsycopgDriver(conn)))
+
+        @manager.entrypoint(ENTRYPOINT)
+        async def handle(_job: Any) -> None:
+            return None
+
+        ready.release()
+        while not go.is_set():
+            await asyncio.sleep(0.005)
+        asyncio.get_running_loop().call_later(duration, manager.shutdown.set)
+        # No statistics folding during the phase: it is work the reference does not do.
+        await manager.run(batch_size=batch, mode=QueueExecutionMode.continuous,
+                          dequeue_timeout=timedelta(seconds=1),
+                          log_aggregation_interval=timedelta(0))
+    finally:
+        await conn.close()
+
+
+def _worker(dsn: str, batch: int, duration: float, ready: Any, go: Any) -> None:
+    asyncio.run(_work(dsn, batch, duration, ready, go))
+
+
+def _queued(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM pgqueuer").fetchone()
+    return int(row[0]) if row else 0
+
+
+def pgqueuer_phase(dsn: str, *, workers: int, batch: int, duration: float,
+                   prefill: int, say: Any) -> dict[str, Any]:
+    """jobs, seconds, jobs_per_second, ran_dry and pgqueuer's version."""
+    import multiprocess
+
+    version = require_pgqueuer()
+    with fresh_database(dsn, prefix="skiplock_pgqueuer") as own:
+        say(f"prefill: {prefill} jobs for the pgqueuer phase (pgqueuer {version})")
+        asyncio.run(_prefill(own, prefill))
+        ctx = multiprocess.get_context("fork")
+        ready = ctx.Semaphore(0)
+        go = ctx.Event()
+        procs = [ctx.Process(target=_worker, args=(own, batch, duration, ready, go),
+                             name=f"pgqueuer-{i}", daemon=True) for i in range(workers)]
+        try:
+            for proc in procs:
+                proc.start()
+            for _ in procs:
+                if not ready.acquire(timeout=READY_TIMEOUT_SECONDS):
+                    raise HarnessError("a pgqueuer worker did not get ready in time")
+            say(f"pgqueuer: {workers} QueueManager processes, {duration:g} s")
+            before = _queued(own)
+            go.set()
+            for proc in procs:
+                proc.join(timeout=duration + 60)
+            failed = [p.name for p in procs if p.exitcode != 0]
+            if failed:
+                raise HarnessError(f"pgqueuer worker(s) failed: {', '.join(failed)}")
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+        left = _queued(own)
+    jobs = before - left
+    return {"jobs": jobs, "seconds": duration, "jobs_per_second": jobs / duration,
+            "ran_dry": left == 0, "version": version,
+            "driver": "pgqueuer QueueManager (psycopg async), multiprocess fork"}
