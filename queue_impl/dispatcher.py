@@ -243,7 +243,7 @@ class _Held:
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Call:
+class Call:
     """One HTTP call as it ended."""
 
     result: HttpResultName
@@ -252,6 +252,50 @@ class _Call:
     error: str | None
     start: float
     end: float
+
+
+def call_for_status(status: int, start: float, end: float) -> Call:
+    """An answered call, judged by its status: a redirect is not followed (it would connect
+    somewhere the guard never vetted) and is permanent; the rest as `classify_status` says."""
+    if 300 <= status < 400:
+        return Call(result="http_error", outcome=Outcome.PERMANENT, status=status,
+                    error=f"redirect not followed (HTTP {status})", start=start, end=end)
+    outcome = classify_status(status)
+    return Call(
+        result="ok" if outcome is Outcome.SUCCESS else "http_error",
+        outcome=outcome,
+        status=status,
+        error=None if outcome is Outcome.SUCCESS else f"HTTP {status}",
+        start=start,
+        end=end,
+    )
+
+
+def timed_out_call(start: float, end: float, timeout_seconds: float) -> Call:
+    """A call the target did not answer within the HTTP timeout."""
+    return Call(result="timeout", outcome=Outcome.TRANSIENT, status=None,
+                error=f"no answer within {timeout_seconds:g}s", start=start, end=end)
+
+
+# The fields of each event about one lease, as `emit` takes them. Module functions, so that
+# whatever writes a worker's history by hand (a synthetic history, a test's) writes exactly
+# what the dispatcher does.
+def claim_event(lease: Lease) -> dict[str, Any]:
+    return {"job_id": str(lease.job_id), "attempt": lease.attempt,
+            "lease_token": str(lease.lease_token), "locked_until": _iso(lease.locked_until)}
+
+
+def http_event(lease: Lease, call: Call) -> dict[str, Any]:
+    return {"job_id": str(lease.job_id), "attempt": lease.attempt, "start": call.start,
+            "end": call.end, "result": call.result, "status": call.status, "error": call.error}
+
+
+def write_event(lease: Lease, outcome: Outcome, result: str, error: str | None,
+                started: float) -> dict[str, Any]:
+    """A result write: `result` applied | fenced | info (unknown: the write may or may not
+    have committed); `started` when its statement was first sent."""
+    return {"job_id": str(lease.job_id), "attempt": lease.attempt, "outcome": outcome.value,
+            "result": result, "error": error, "started": started}
 
 
 class Dispatcher:
@@ -287,7 +331,7 @@ class Dispatcher:
         # calls in flight, results waiting for the writer.
         self._held: dict[Any, _Held] = {}
         self._calls: set[asyncio.Task[None]] = set()
-        self._results: list[tuple[Any, _Call]] = []
+        self._results: list[tuple[Any, Call]] = []
         self._slot_freed = asyncio.Event()
         self._results_ready = asyncio.Event()
         self._draining = False
@@ -541,13 +585,7 @@ class Dispatcher:
         on)."""
         claimed_at = time.monotonic()
         for lease in leases:
-            self.emit(
-                "claim",
-                job_id=str(lease.job_id),
-                attempt=lease.attempt,
-                lease_token=str(lease.lease_token),
-                locked_until=_iso(lease.locked_until),
-            )
+            self.emit("claim", **claim_event(lease))
         for lease in leases:
             self._failpoint("crash_after_claim", lease)
         if self.stopping:
@@ -666,7 +704,7 @@ class Dispatcher:
 
     async def _execute(
         self, session: aiohttp.ClientSession, resolver: PinnedResolver, lease: Lease
-    ) -> _Call:
+    ) -> Call:
         """Vet and call one job's target under one deadline, the HTTP timeout. Never raises
         (but for cancellation): anything unexpected becomes this job's permanent outcome, so
         one bad job cannot take its batch down with it."""
@@ -705,30 +743,21 @@ class Dispatcher:
                 Outcome.PERMANENT,
                 f"cannot dispatch this job: {type(exc).__name__}: {_one_line(exc)}",
             )
-        self.emit(
-            "http",
-            job_id=str(lease.job_id),
-            attempt=lease.attempt,
-            start=call.start,
-            end=call.end,
-            result=call.result,
-            status=call.status,
-            error=call.error,
-        )
+        self.emit("http", **http_event(lease, call))
         if call.outcome is Outcome.SUCCESS:
             self._failpoint("crash_after_http", lease)
         return call
 
     @staticmethod
-    def _failed(start: float, result: HttpResultName, outcome: Outcome, error: str) -> _Call:
+    def _failed(start: float, result: HttpResultName, outcome: Outcome, error: str) -> Call:
         """An attempt that ended without an HTTP status."""
-        return _Call(
+        return Call(
             result=result, outcome=outcome, status=None, error=error, start=start, end=time.time()
         )
 
     async def _post(
         self, session: aiohttp.ClientSession, lease: Lease, start: float, timeout_seconds: float
-    ) -> _Call:
+    ) -> Call:
         headers = {
             JOB_ID_HEADER: str(lease.job_id),
             ATTEMPT_HEADER: str(lease.attempt),
@@ -748,17 +777,10 @@ class Dispatcher:
                 status = response.status
                 await response.read()
         except TimeoutError:
-            return _Call(
-                result="timeout",
-                outcome=Outcome.TRANSIENT,
-                status=None,
-                error=f"no answer within {self.config.http_timeout_seconds:g}s",
-                start=start,
-                end=time.time(),
-            )
+            return timed_out_call(start, time.time(), self.config.http_timeout_seconds)
         except (aiohttp.ClientError, OSError) as exc:
             if status is None:
-                return _Call(
+                return Call(
                     result="connection_error",
                     outcome=Outcome.TRANSIENT,
                     status=None,
@@ -768,32 +790,13 @@ class Dispatcher:
                 )
             # The status line arrived but the body did not: judge by the status.
         assert status is not None
-        end = time.time()
-        if 300 <= status < 400:
-            # Following a redirect would connect somewhere the guard never vetted.
-            return _Call(
-                result="http_error",
-                outcome=Outcome.PERMANENT,
-                status=status,
-                error=f"redirect not followed (HTTP {status})",
-                start=start,
-                end=end,
-            )
-        outcome = classify_status(status)
-        return _Call(
-            result="ok" if outcome is Outcome.SUCCESS else "http_error",
-            outcome=outcome,
-            status=status,
-            error=None if outcome is Outcome.SUCCESS else f"HTTP {status}",
-            start=start,
-            end=end,
-        )
+        return call_for_status(status, start, time.time())
 
     def retry_delay(self, attempt: int) -> timedelta:
         """The backoff after failed attempt `attempt`, jittered by this worker's seeded draw."""
         return self._policy.delay(attempt)
 
-    def _result(self, lease: Lease, call: _Call) -> AttemptResult:
+    def _result(self, lease: Lease, call: Call) -> AttemptResult:
         delay = timedelta(0)
         if call.outcome is Outcome.TRANSIENT:
             delay = self.retry_delay(lease.attempt)
@@ -825,15 +828,8 @@ class Dispatcher:
                 await self._reconnect()
                 if pause is None:
                     for result in results:
-                        self.emit(
-                            "write",
-                            job_id=str(result.lease.job_id),
-                            attempt=result.lease.attempt,
-                            outcome=result.outcome.value,
-                            result="info",
-                            error=failed,
-                            started=started,
-                        )
+                        self.emit("write", **write_event(result.lease, result.outcome, "info",
+                                                         failed, started))
                     return
                 await asyncio.sleep(pause)
         for result, write in zip(results, written, strict=True):
@@ -842,15 +838,9 @@ class Dispatcher:
             value = write.value
             if failed is not None and write is WriteResult.FENCED:
                 value = "info"
-            self.emit(
-                "write",
-                job_id=str(result.lease.job_id),
-                attempt=result.lease.attempt,
-                outcome=result.outcome.value,
-                result=value,
-                error=result.error if failed is None or value == "applied" else failed,
-                started=started,
-            )
+            error = result.error if failed is None or value == "applied" else failed
+            self.emit("write", **write_event(result.lease, result.outcome, value, error,
+                                             started))
 
     async def _release(self, leases: Sequence[Lease], *, reason: str | None = None) -> None:
         try:

@@ -228,6 +228,26 @@ class WorkerEvent:
     data: dict[str, Any] = field(default_factory=dict)
 
 
+_EVENT_RECORD_FIELDS = ("job_id", "attempt")
+
+
+def worker_event_record(kind: str, worker: str, time: float, fields: Mapping[str, Any]
+                        ) -> dict[str, Any]:
+    """A dispatcher event (`kind` and the `fields` it emits) as the `WorkerEvent` record
+    the worker log holds: `job_id` and `attempt` lifted out, every other field its data. As
+    a mapping, not the dataclass: the log writes it as it would the record, without building
+    the dataclass and converting it back, for every event a worker logs while measured."""
+    attempt = fields.get("attempt")
+    return {
+        "kind": kind,
+        "worker": worker,
+        "time": time,
+        "job_id": fields.get("job_id"),
+        "attempt": None if attempt is None else int(attempt),
+        "data": {k: v for k, v in fields.items() if k not in _EVENT_RECORD_FIELDS},
+    }
+
+
 FaultKind = Literal[
     "kill_worker",  # SIGKILL a worker mid-lease
     "crash_after_claim",  # failpoint: die after claim, before HTTP

@@ -40,9 +40,8 @@ from reports.history import (
     LogWriter,
     parse_header,
     parse_row,
+    worker_event_record,
 )
-
-_RECORD_FIELDS = ("job_id", "attempt")
 
 
 def log_sink(writer: LogWriter, worker_id: str, replaces: str | None = None) -> EventSink:
@@ -50,21 +49,9 @@ def log_sink(writer: LogWriter, worker_id: str, replaces: str | None = None) -> 
     replacement's `start` event names the worker it replaces."""
 
     def sink(kind: str, fields: Mapping[str, Any]) -> None:
-        data = {k: v for k, v in fields.items() if k not in _RECORD_FIELDS}
         if kind == "start" and replaces is not None:
-            data["replaces"] = replaces
-        attempt = fields.get("attempt")
-        # A `WorkerEvent`'s fields as a mapping: the log writes it as it would the record,
-        # without building the dataclass and converting it back, for every event a worker
-        # logs while it is being measured.
-        writer.write({
-            "kind": kind,
-            "worker": worker_id,
-            "time": time.time(),
-            "job_id": fields.get("job_id"),
-            "attempt": None if attempt is None else int(attempt),
-            "data": data,
-        })
+            fields = {**fields, "replaces": replaces}
+        writer.write(worker_event_record(kind, worker_id, time.time(), fields))
 
     return sink
 

@@ -33,7 +33,6 @@ from queue_impl.dispatcher import LEASE_TOO_SHORT, DispatcherConfig
 from queue_impl.interface import Account, JobStatus, NewJob
 from queue_impl.pg import PgQueue
 from queue_impl.plugins import BackendSpec
-from reports.bench_checker import RunBuilder
 from reports.checker import check_run
 from reports.history import (
     DELIVERY_LOG,
@@ -44,6 +43,7 @@ from reports.history import (
     Step,
     read_log,
 )
+from reports.synthetic import RunBuilder
 from scenarios.workers import WorkerPool
 
 pytestmark = [pytest.mark.chaos, pytest.mark.integration]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from reports.bench_checker import RunBuilder
 from reports.history import ENQUEUE_LOG
+from reports.synthetic import RunBuilder
 
 pytestmark = pytest.mark.integration
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from reports.bench_checker import RunBuilder
-from reports.checker import _CUT_MAY_CAUSE, VIOLATION_KEYS, Verdict, check_run
+from reports.checker import CUT_MAY_CAUSE, VIOLATION_KEYS, Verdict, check_run
 from reports.history import ENQUEUE_LOG, WORKER_LOG, HistoryError, read_json
+from reports.synthetic import RunBuilder
 
 SUCCEED: dict[str, Any] = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None,
                            "then": {"behaviour": "ok"}}
@@ -251,9 +251,9 @@ def test_deliveries_when_nothing_was_enqueued_are_unknown(tmp_path: Path) -> Non
 
 
 def test_cut_table_covers_every_log_and_never_reports_unexpected_or_lost() -> None:
-    assert set(_CUT_MAY_CAUSE) == {"enqueues.csv", "deliveries", "workers", "nemesis.jsonl",
+    assert set(CUT_MAY_CAUSE) == {"enqueues.csv", "deliveries", "workers", "nemesis.jsonl",
                                    "final_jobs.csv"}
-    for kinds in _CUT_MAY_CAUSE.values():
+    for kinds in CUT_MAY_CAUSE.values():
         assert kinds <= set(VIOLATION_KEYS)
         assert {"unexpected", "lost"} <= kinds
 

@@ -18,13 +18,7 @@ from typing import Any
 
 import pytest
 
-from reports.bench_checker import (
-    LineWriter,
-    RunBuilder,
-    build_synthetic,
-    history_files,
-    write_log,
-)
+from reports.bench_checker import build_synthetic
 from reports.checker import COUNT_KEYS, VIOLATION_KEYS, Verdict, check_run, write_verdict
 from reports.history import (
     DELIVERY_LOG,
@@ -35,6 +29,7 @@ from reports.history import (
     LogFormat,
     read_log,
 )
+from reports.synthetic import LineWriter, RunBuilder, history_files, write_log
 
 LOGS: dict[str, LogFormat] = {"enqueues.csv": ENQUEUE_LOG, "final_jobs.csv": FINAL_JOBS_LOG,
                               "deliveries": DELIVERY_LOG, "workers": WORKER_LOG}
@@ -74,6 +69,11 @@ def anomalies(verdict: Verdict) -> dict[str, int]:
 
 def whys(verdict: Verdict, kind: str) -> list[str]:
     return [e["why"] for e in verdict.examples.get(kind, [])]
+
+
+def said(verdict: Verdict, kind: str) -> list[dict[str, str]]:
+    """The examples of `kind` as a person reads them: the job and the sentence."""
+    return [{"job_id": e["job_id"], "why": e["why"]} for e in verdict.examples.get(kind, [])]
 
 
 def succeed_once(b: RunBuilder, job: str, at: float, **kw: Any) -> None:
@@ -326,7 +326,7 @@ def test_lost_never_delivered_and_absent(tmp_path: Path) -> None:
     assert verdict.valid is False
     assert verdict.exit_code == 1
     assert anomalies(verdict) == {"lost": 1}
-    assert verdict.examples["lost"] == [{
+    assert said(verdict, "lost") == [{
         "job_id": "gone",
         "why": "enqueue acknowledged, never delivered with 2xx, absent from the final states",
     }]
@@ -361,7 +361,7 @@ def test_unexpected_deliveries(tmp_path: Path) -> None:
     b.deliver("refused", attempt=1, received=100.0, answered=100.01)
     verdict = check(b, tmp_path)
     assert anomalies(verdict) == {"unexpected": 2}
-    assert verdict.examples["unexpected"] == [
+    assert said(verdict, "unexpected") == [
         {"job_id": "stranger", "why": "delivered but never enqueued (target target-0)"},
         {"job_id": "refused", "why": "delivered although its enqueue failed (target target-0)"},
     ]
@@ -440,7 +440,7 @@ def test_attempts_exceeded(tmp_path: Path) -> None:
     b.final("again", "FAILED", attempts=2)
     verdict = check(b, tmp_path)
     assert anomalies(verdict) == {"attempts_exceeded": 2}
-    assert verdict.examples["attempts_exceeded"] == [
+    assert said(verdict, "attempts_exceeded") == [
         {"job_id": "over", "why": "3 deliveries (0 explained by faults) for max_attempts 2"},
         {"job_id": "again",
          "why": "delivered again at 101.001 after attempt 1 failed permanently (status 400)"},
@@ -563,7 +563,7 @@ def test_limit_exceeded(tmp_path: Path) -> None:
         b.final(name, "COMPLETED", account="acct-1")
     verdict = check(b, tmp_path)
     assert anomalies(verdict) == {"limit_exceeded": 1}
-    assert verdict.examples["limit_exceeded"] == [
+    assert said(verdict, "limit_exceeded") == [
         {"job_id": "b", "why": "account acct-0 had 2 deliveries in flight at 100.101, limit 1"}]
 
 
@@ -601,7 +601,7 @@ def test_stuck(tmp_path: Path) -> None:
     b.final("orphan", "PROCESSING")
     verdict = check(b, tmp_path)
     assert anomalies(verdict) == {"stuck": 2}
-    assert verdict.examples["stuck"] == [
+    assert said(verdict, "stuck") == [
         {"job_id": JOB, "why": "RETRYING after the drain, 1 deliveries"},
         {"job_id": "orphan", "why": "PROCESSING after the drain, 0 deliveries"},
     ]
@@ -1065,7 +1065,7 @@ def test_dead_letter_before_the_oracle_allows_is_a_state_mismatch(tmp_path: Path
     verdict = check(b, tmp_path)
     assert verdict.valid is False
     assert anomalies(verdict) == {"state_mismatch": 2}
-    assert verdict.examples["state_mismatch"] == [
+    assert said(verdict, "state_mismatch") == [
         {"job_id": "early", "why": "FAILED after 1 deliveries, but a correct queue delivers it "
          "5 times before dead-lettering it (max_attempts 5), and no fault used up attempts"},
         {"job_id": "never", "why": "FAILED after 0 deliveries, but a correct queue delivers it "
@@ -1342,7 +1342,7 @@ def test_request_without_a_job_id_is_unexpected(tmp_path: Path, blank_line: bool
         append(log, "\n")
     verdict = check_run([run_dir])
     assert anomalies(verdict) == {"unexpected": 1}
-    assert verdict.examples["unexpected"] == [
+    assert said(verdict, "unexpected") == [
         {"job_id": "", "why": "a request without a job id header at 101.000 (target target-0)"}]
 
 
@@ -1525,7 +1525,7 @@ def test_timeout_of_an_attempt_the_target_received_excuses_nothing(tmp_path: Pat
     verdict = check(b, tmp_path)
     assert verdict.valid is False
     assert anomalies(verdict) == {"state_mismatch": 2, "duplicate_explained": 1}
-    assert verdict.examples["state_mismatch"] == [
+    assert said(verdict, "state_mismatch") == [
         {"job_id": "late", "why": "FAILED but its script completes within max_attempts "
          "(2 deliveries, no fault recorded)"},
         {"job_id": JOB, "why": "FAILED after 2 deliveries, but a correct queue delivers it "

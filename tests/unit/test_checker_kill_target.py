@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from reports.bench_checker import RunBuilder
 from reports.checker import check_run
+from reports.synthetic import RunBuilder
 
 SUCCEED = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None,
            "then": {"behaviour": "ok"}}

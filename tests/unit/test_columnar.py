@@ -14,9 +14,10 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import pytest
 
 from reports import checker, columnar
-from reports.bench_checker import RunBuilder, history_files, write_log
 from reports.checker import check_run
+from reports.checker import load as checker_load
 from reports.history import DELIVERIES_DIR, DELIVERY_LOG, ENQUEUES_FILE, WORKERS_DIR
+from reports.synthetic import RunBuilder, history_files, write_log
 
 SUCCEED: dict[str, Any] = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None,
                            "then": {"behaviour": "ok"}}
@@ -69,8 +70,8 @@ def no_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr("pyarrow.csv.read_csv", refuse)
     monkeypatch.setattr("pyarrow.json.read_json", refuse)
-    monkeypatch.setattr(checker, "_parse_csv_slow", refuse)
-    monkeypatch.setattr(checker, "_parse_json_slow", refuse)
+    monkeypatch.setattr(checker_load, "_parse_csv_slow", refuse)
+    monkeypatch.setattr(checker_load, "_parse_json_slow", refuse)
 
 
 def test_second_check_reads_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,7 +124,7 @@ def test_appended_line_invalidates_the_cache(tmp_path: Path) -> None:
     after = check_run([run_dir])
     assert after.counts["delivered"] == before.counts["delivered"] + 1
     # The rewritten cache now stands for the longer file: a third check agrees.
-    entry = columnar.lookup(log, (checker._DELIVERIES.schema,))
+    entry = columnar.lookup(log, (checker_load._DELIVERIES.schema,))
     assert entry.table is not None
     assert entry.table.num_rows == after.counts["delivered"]
     assert judged(check_run([run_dir])) == judged(after)
@@ -133,7 +134,7 @@ def test_changed_schemas_or_version_miss(tmp_path: Path, monkeypatch: pytest.Mon
     run_dir = anomalous(tmp_path)
     check_run([run_dir])
     log = run_dir / DELIVERIES
-    schema = checker._DELIVERIES.schema
+    schema = checker_load._DELIVERIES.schema
     assert columnar.lookup(log, (schema,)).table is not None
     other = schema.append(pa.field("extra", pa.string()))
     assert columnar.lookup(log, (other,)).table is None

@@ -22,9 +22,9 @@ import pytest
 from queue_impl.dispatcher import Dispatcher, DispatcherConfig
 from queue_impl.interface import Lease
 from queue_impl.memory import InMemoryQueue
-from reports.bench_checker import RunBuilder, write_log
 from reports.checker import Verdict, check_run
 from reports.history import WORKER_LOG, LogFormat, WorkerEventKind
+from reports.synthetic import RunBuilder, write_log
 
 SUCCEED: dict[str, Any] = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None,
                            "then": {"behaviour": "ok"}}

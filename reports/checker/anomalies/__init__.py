@@ -1,0 +1,106 @@
+"""The anomalies the checker can find: one module each, one row each in `ANOMALIES`.
+
+A row says what the anomaly is counted in (`unit`), what it means in a line (the report and
+the README's table show it), whether it violates a guarantee, how it is found
+(`find(frame, explained) -> examples`, in its module), how an example is said, and which
+logs a cut-off tail of which may have lost the records that decide it (a history with such a
+log cut short counts it but does not report it).
+
+To add an anomaly: write its module (`find` and `say`), add its row here, and a line to the
+README's anomaly table."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Literal
+
+from reports.checker.anomalies import (
+    attempts_exceeded,
+    concurrent_delivery,
+    duplicate_explained,
+    duplicate_unexplained,
+    early_retry,
+    limit_exceeded,
+    lost,
+    stale_write,
+    state_mismatch,
+    stuck,
+    unexpected,
+)
+from reports.checker.common import Example
+from reports.checker.explained import Explained
+from reports.checker.frame import Frame
+from reports.history import (
+    DELIVERIES_DIR,
+    ENQUEUES_FILE,
+    FINAL_JOBS_FILE,
+    NEMESIS_FILE,
+    WORKERS_DIR,
+)
+
+Unit = Literal["jobs", "deliveries", "writes"]
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    kind: str
+    unit: Unit
+    meaning: str
+    module: ModuleType  # holds find(frame, explained) and say(example)
+    violation: bool = True
+    # The logs a cut-off tail of which may hide what decides it (or invent it, by losing
+    # an enqueue, a delivery, or the event or fault that explains one).
+    held_back_by: frozenset[str] = frozenset()
+
+    @property
+    def find(self) -> Callable[[Frame, Explained], Iterable[Example]]:
+        return self.module.find  # type: ignore[no-any-return]
+
+    @property
+    def say(self) -> Callable[[Example], str]:
+        return self.module.say  # type: ignore[no-any-return]
+
+
+_ALL_LOGS = frozenset({ENQUEUES_FILE, DELIVERIES_DIR, WORKERS_DIR, NEMESIS_FILE,
+                       FINAL_JOBS_FILE})
+_EXPLAINED_BY = frozenset({DELIVERIES_DIR, WORKERS_DIR, NEMESIS_FILE})
+
+ANOMALIES: tuple[Anomaly, ...] = (
+    Anomaly("lost", "jobs",
+            "acknowledged, never delivered with 2xx, and not legitimately dead-lettered",
+            lost, held_back_by=_ALL_LOGS),
+    Anomaly("unexpected", "deliveries",
+            "a delivery of a job never enqueued (or whose enqueue failed)",
+            unexpected, held_back_by=_ALL_LOGS),
+    Anomaly("duplicate_explained", "deliveries",
+            "a 2xx delivered again, explained by a recorded fault or timeout "
+            "(at-least-once, as promised)",
+            duplicate_explained, violation=False),
+    Anomaly("duplicate_unexplained", "deliveries",
+            "a 2xx delivered again with nothing recorded to explain it",
+            duplicate_unexplained, held_back_by=_EXPLAINED_BY),
+    Anomaly("concurrent_delivery", "deliveries",
+            "two deliveries of one job in flight at once, the first lease still held",
+            concurrent_delivery, held_back_by=frozenset({WORKERS_DIR, NEMESIS_FILE})),
+    Anomaly("attempts_exceeded", "jobs",
+            "more deliveries than max_attempts (or one after a permanent failure)",
+            attempts_exceeded, held_back_by=_EXPLAINED_BY),
+    Anomaly("early_retry", "deliveries",
+            "a retry sent before the backoff allows",
+            early_retry, held_back_by=_EXPLAINED_BY),
+    Anomaly("limit_exceeded", "deliveries",
+            "more deliveries of one account in flight than its limit",
+            limit_exceeded, held_back_by=frozenset({WORKERS_DIR})),
+    Anomaly("stuck", "jobs",
+            "a job not finished after a completed drain",
+            stuck),
+    Anomaly("state_mismatch", "jobs",
+            "the final state disagrees with what the target saw",
+            state_mismatch, held_back_by=_EXPLAINED_BY | {FINAL_JOBS_FILE}),
+    Anomaly("stale_write", "writes",
+            "a result applied after another worker claimed a later attempt",
+            stale_write),
+)
+BY_KIND = {a.kind: a for a in ANOMALIES}

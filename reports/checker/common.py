@@ -1,0 +1,68 @@
+"""Small pieces every part of the checker uses: an example of an anomaly, and how values are
+shown."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+MAX_EXAMPLES = 10
+DEFAULT_TOLERANCE_SECONDS = 0.25
+
+
+@dataclass(frozen=True)
+class Example:
+    """One instance of an anomaly, as evidence: the job and the facts that decide it (its
+    attempts, times, the event or fault that explains it) as data. `case` names which of
+    the anomaly's forms it is; the anomaly's `say` turns the evidence into a sentence, for
+    display only."""
+
+    job_id: str
+    case: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """Rows as dicts of plain Python values (much faster than DataFrame.to_dict)."""
+    names = [str(c) for c in frame.columns]
+    values = [frame[c].tolist() for c in frame.columns]
+    return [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
+
+
+def fmt(seconds: float) -> str:
+    return f"{seconds:.3f}"
+
+
+def attempt_label(value: Any) -> str:
+    """An attempt number as shown: `?` where the queue sent none."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return "?"
+    return "?" if math.isnan(number) else str(int(number))
+
+
+def floats(values: np.ndarray) -> np.ndarray:
+    """An object array of values as read as float64: NaN for anything but a number."""
+    if values.dtype == np.float64:
+        return values
+    return np.array([float(v) if isinstance(v, int | float) and not isinstance(v, bool)
+                     else math.nan for v in values.tolist()], dtype=np.float64)
+
+
+def attempt_number(value: Any) -> int | None:
+    """An attempt number as evidence: None where the queue sent none."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(number) else int(number)
+
+
+def shown(number: int | None) -> str:
+    """An attempt number of evidence as a sentence shows it."""
+    return "?" if number is None else str(number)
