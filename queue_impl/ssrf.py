@@ -268,69 +268,16 @@ class UrlGuard:
     async def vet(self, url: str) -> VettedTarget:
         """Check `url` and pick the address to connect to, or raise TargetRefused (never to
         be called) or ResolutionFailed (its name did not resolve)."""
-        # Parse with yarl, as aiohttp will: two parsers that disagree on a tricky URL (a
-        # backslash, an "@" in the wrong place, IDNA digits) are a classic SSRF bypass.
-        try:
-            parsed = URL(url)
-            raw_host = parsed.raw_host
-            port_given = parsed.explicit_port
-        except (ValueError, TypeError) as exc:
-            raise TargetRefused(f"malformed URL ({_first_line(exc)})") from None
-        scheme = parsed.scheme.lower()
-        if scheme not in ALLOWED_SCHEMES:
-            raise TargetRefused(f"scheme {scheme or '(none)'!r} is not http or https")
-        host = (raw_host or "").lower()
-        if not host:
-            raise TargetRefused("URL has no host")
-        port = port_given if port_given is not None else DEFAULT_PORTS[scheme]
-        if not 0 < port < 65536:
-            raise TargetRefused(f"malformed URL (port {port} out of range)")
-
+        scheme, host, port = _split_target_url(url)
         literal_allowed = (host.rstrip("."), port) in self._allowed_hosts
-        try:
-            literal = parse_ip_literal(host)
-        except ValueError as exc:
-            raise TargetRefused(str(exc)) from None
-        if isinstance(literal, ipaddress.IPv4Address) and str(literal) != host.rstrip("."):
-            # Legacy spellings (2130706433, 0177.0.0.1, 0x7f.1, 127.1) exist mostly to slip
-            # past filters; nothing legitimate needs them, so they are refused outright.
-            why = forbidden_reason(literal) or "not written as a.b.c.d"
-            raise TargetRefused(
-                f"refused by SSRF guard: {host} is a non-canonical IPv4 form of {literal}, {why}"
-            )
+        literal = _canonical_ip_literal(host)
         if literal is not None:
             addresses: list[IPAddress] = [literal]
         else:
-            try:
-                resolved = await self._resolver(host, port)
-            except (TargetRefused, ResolutionFailed):
-                raise
-            except (OSError, ValueError) as exc:
-                # A resolver passed in may raise what getaddrinfo raises: classify it the same.
-                raise resolution_error(host, exc) from None
-            addresses = []
-            for text in resolved:
-                try:
-                    addresses.append(ipaddress.ip_address(text.split("%", 1)[0]))
-                except ValueError:
-                    raise TargetRefused(
-                        f"{host!r} resolved to {text!r}, which is not an address"
-                    ) from None
-            if not addresses:
-                raise TargetRefused(f"{host!r} resolved to no address")
-
-        by_list = literal_allowed
-        if not literal_allowed:
-            # Every address must pass: a name that resolves to a public address first and a
-            # private one second would otherwise let a later connection reach the private one.
-            for address in addresses:
-                if self._address_allowed(address, port):
-                    by_list = True
-                    continue
-                reason = forbidden_reason(address)
-                if reason is not None:
-                    shown = host if literal is not None else f"{host} ({address})"
-                    raise TargetRefused(f"refused by SSRF guard: {shown} is {reason}")
+            addresses = await self._resolve_addresses(host, port)
+        by_list = literal_allowed or self._check_every_address(
+            host, port, addresses, host_is_literal=literal is not None
+        )
         return VettedTarget(
             url=url,
             scheme=scheme,
@@ -339,6 +286,86 @@ class UrlGuard:
             address=_connectable(addresses[0]),
             allowed_by_list=by_list,
         )
+
+    async def _resolve_addresses(self, host: str, port: int) -> list[IPAddress]:
+        """Resolve the host name `host` once, returning every address it has. Raises
+        TargetRefused or ResolutionFailed when there is no usable answer."""
+        try:
+            resolved = await self._resolver(host, port)
+        except (TargetRefused, ResolutionFailed):
+            raise
+        except (OSError, ValueError) as exc:
+            # A resolver passed in may raise what getaddrinfo raises: classify it the same.
+            raise resolution_error(host, exc) from None
+        addresses: list[IPAddress] = []
+        for text in resolved:
+            try:
+                addresses.append(ipaddress.ip_address(text.split("%", 1)[0]))
+            except ValueError:
+                raise TargetRefused(
+                    f"{host!r} resolved to {text!r}, which is not an address"
+                ) from None
+        if not addresses:
+            raise TargetRefused(f"{host!r} resolved to no address")
+        return addresses
+
+    def _check_every_address(
+        self, host: str, port: int, addresses: list[IPAddress], *, host_is_literal: bool
+    ) -> bool:
+        """Refuse the target unless every address in `addresses` is listed or public.
+        Returns whether any of them was admitted by the `--allow-target` list."""
+        by_list = False
+        # Every address must pass: a name that resolves to a public address first and a
+        # private one second would otherwise let a later connection reach the private one.
+        for address in addresses:
+            if self._address_allowed(address, port):
+                by_list = True
+                continue
+            reason = forbidden_reason(address)
+            if reason is not None:
+                shown = host if host_is_literal else f"{host} ({address})"
+                raise TargetRefused(f"refused by SSRF guard: {shown} is {reason}")
+        return by_list
+
+
+def _split_target_url(url: str) -> tuple[str, str, int]:
+    """The (scheme, lower-case host, port) of `url`, or TargetRefused when it is malformed,
+    not http(s), has no host or has a port out of range."""
+    # Parse with yarl, as aiohttp will: two parsers that disagree on a tricky URL (a
+    # backslash, an "@" in the wrong place, IDNA digits) are a classic SSRF bypass.
+    try:
+        parsed = URL(url)
+        raw_host = parsed.raw_host
+        port_given = parsed.explicit_port
+    except (ValueError, TypeError) as exc:
+        raise TargetRefused(f"malformed URL ({_first_line(exc)})") from None
+    scheme = parsed.scheme.lower()
+    if scheme not in ALLOWED_SCHEMES:
+        raise TargetRefused(f"scheme {scheme or '(none)'!r} is not http or https")
+    host = (raw_host or "").lower()
+    if not host:
+        raise TargetRefused("URL has no host")
+    port = port_given if port_given is not None else DEFAULT_PORTS[scheme]
+    if not 0 < port < 65536:
+        raise TargetRefused(f"malformed URL (port {port} out of range)")
+    return scheme, host, port
+
+
+def _canonical_ip_literal(host: str) -> IPAddress | None:
+    """The address `host` denotes by itself, or None for a name to resolve. Refuses
+    (TargetRefused) a numeric host that is out of range or not written canonically."""
+    try:
+        literal = parse_ip_literal(host)
+    except ValueError as exc:
+        raise TargetRefused(str(exc)) from None
+    if isinstance(literal, ipaddress.IPv4Address) and str(literal) != host.rstrip("."):
+        # Legacy spellings (2130706433, 0177.0.0.1, 0x7f.1, 127.1) exist mostly to slip
+        # past filters; nothing legitimate needs them, so they are refused outright.
+        why = forbidden_reason(literal) or "not written as a.b.c.d"
+        raise TargetRefused(
+            f"refused by SSRF guard: {host} is a non-canonical IPv4 form of {literal}, {why}"
+        )
+    return literal
 
 
 def _first_line(exc: BaseException) -> str:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
 from psycopg import sql
@@ -62,6 +62,9 @@ from reports.selfdescribe import describe
 from scenarios.progress import Observer, Sample, Sampler, SampleWriter
 from scenarios.provision import DSN_ENV, PgServer, postgres, redact_dsn
 from scenarios.spec import FAILPOINT_NAMES, ScenarioSpec, replay_command
+
+if TYPE_CHECKING:
+    from scenarios.workers import WorkerPool
 
 DEFAULT_OUT = Path("runs")
 
@@ -504,6 +507,90 @@ def _wait_drained(loop: _SampleLoop, spec: ScenarioSpec, pool: Any) -> bool:
         time.sleep(0.2)
 
 
+@dataclass(kw_only=True)
+class _RunState:
+    """What one run has learnt so far. It lives outside the steps that run the scenario so
+    that however the run ends (completed, refused, failed, interrupted), the cleanup in
+    `run_scenario` can still write run.json and spec.json from it."""
+
+    spec: ScenarioSpec
+    options: RunOptions
+    run_dir: Path
+    planned: list[Any]
+    say: Callable[[str], None]
+    started: float
+    schema: str
+    drained: bool = False
+    drain_seconds: float = 0.0
+    exit_reason: str = "error: setup did not finish"
+    description: dict[str, Any] = field(default_factory=dict)
+    loop: _SampleLoop | None = None
+    backend_spec: BackendSpec | None = None
+    # Set once PostgreSQL is up: a UsageError before that leaves no run directory behind.
+    server_up: PgServer | None = None
+    run_dir_removed: bool = False
+    # Bad input found once the server was up (SQL the database refuses): the run never
+    # started, so it leaves no run directory behind either.
+    refused: bool = False
+    final_jobs: int | None = None
+    snapshot_note: str | None = None
+    phases: list[dict[str, Any]] = field(default_factory=list)
+
+    def write_run_info(self) -> RunInfo:
+        """run.json: how the run went, as far as it got."""
+        spec = self.spec
+        info = RunInfo(
+            started=self.started,
+            finished=time.time(),
+            drained=self.drained,
+            drain_seconds=self.drain_seconds,
+            exit_reason=self.exit_reason,
+            backend=self.options.backend,
+            retry_base_seconds=spec.retry_base,
+            retry_cap_seconds=spec.retry_cap,
+            retry_jitter=spec.retry_jitter,
+            http_timeout_seconds=spec.http_timeout,
+            lease_seconds=spec.lease,
+            account_limits=dict(spec.account_limits()),
+            final_jobs=self.final_jobs,
+        )
+        record = to_record(info)
+        if self.snapshot_note is not None:
+            record["final_snapshot"] = self.snapshot_note
+        write_json(self.run_dir / RUN_FILE, record)
+        return info
+
+    def write_spec_json(self, extra: dict[str, Any]) -> None:
+        """spec.json: what was run, where, and how to replay it (plus `extra`)."""
+        spec, options = self.spec, self.options
+        write_json(
+            self.run_dir / SPEC_FILE,
+            {
+                "scenario": spec.to_json(),
+                "seed": options.seed,
+                "backend": self.backend_spec.display() if self.backend_spec else options.backend,
+                "schema": self.schema,
+                "sql_path": options.sql_path,
+                "nemesis_schedule": [p.to_json() for p in self.planned],
+                "replay": options.replay or replay_command(
+                    spec, seed=options.seed, backend=options.backend,
+                    sql_path=options.sql_path),
+                **self.description,
+                **extra,
+            },
+        )
+
+    def phase(self, name: str) -> None:
+        """End the current phase and start `name` ("" ends the last one)."""
+        now = time.time()
+        if self.phases:
+            self.phases[-1]["end"] = now
+        if name:
+            self.phases.append({"name": name, "start": now, "end": None})
+        if self.loop is not None:
+            self.loop.phase = name or "done"
+
+
 def run_scenario(
     spec: ScenarioSpec,
     options: RunOptions,
@@ -513,248 +600,53 @@ def run_scenario(
     announce: Callable[[str], None] | None = None,
 ) -> RunResult:
     """Run `spec` and judge it. Raises HarnessError when the harness itself fails."""
-    from chaos.nemesis import NemesisError, check_schedule, plan
+    # Imported when a run starts, not with this module, but before anything is started: a
+    # checker or worker module that fails to import leaves no server and no run directory.
     from reports.checker import check_run, write_verdict
     from scenarios.workers import WorkerPool
 
     say = announce or (lambda _message: None)
-    planned: list[Any] = []
-    if nemesis is None and spec.nemesis:
-        # Refused before anything starts: a fault that needs a server the harness owns,
-        # against a DSN it was given.
-        external = (not options.server.owned if options.server is not None
-                    else bool(options.dsn or os.environ.get(DSN_ENV)))
-        try:
-            check_schedule(spec.nemesis, load_seconds=spec.duration,
-                           server_owned=not external)
-        except NemesisError as exc:
-            raise UsageError(str(exc)) from None
-        planned = plan(spec.nemesis, seed=options.seed, load_seconds=spec.duration,
-                       lease_seconds=spec.lease, http_timeout_seconds=spec.http_timeout)
-        nemesis = _ScheduleNemesis(planned, say)
-    nemesis = nemesis or NoNemesis()
+    planned, nemesis = _choose_nemesis(spec, options, nemesis, say)
     run_dir = new_run_dir(options.out, spec, options.seed)
-    (run_dir / LOCUST_DIR).mkdir()
-    (run_dir / WORKERS_DIR).mkdir()
-    (run_dir / NEMESIS_FILE).touch()
-    # With its header: a run in which no producer wrote still leaves a well-formed log.
-    LogWriter(run_dir / ENQUEUES_FILE, ENQUEUE_LOG).close()
-
-    started = time.time()
-    drained = False
-    drain_seconds = 0.0
-    exit_reason = "error: setup did not finish"
-    description: dict[str, Any] = {}
-    schema = options.schema or f"skiplock_{secrets.token_hex(4)}"
-    loop: _SampleLoop | None = None
-    backend_spec: BackendSpec | None = None
-    server_up: PgServer | None = None
-    run_dir_removed = False
-    # Bad input found once the server was up (SQL the database refuses): the run never
-    # started, so it leaves no run directory behind either.
-    refused = False
-    final_jobs: int | None = None
-    snapshot_note: str | None = None
-
-    def write_run_info() -> RunInfo:
-        info = RunInfo(
-            started=started,
-            finished=time.time(),
-            drained=drained,
-            drain_seconds=drain_seconds,
-            exit_reason=exit_reason,
-            backend=options.backend,
-            retry_base_seconds=spec.retry_base,
-            retry_cap_seconds=spec.retry_cap,
-            retry_jitter=spec.retry_jitter,
-            http_timeout_seconds=spec.http_timeout,
-            lease_seconds=spec.lease,
-            account_limits=dict(spec.account_limits()),
-            final_jobs=final_jobs,
-        )
-        record = to_record(info)
-        if snapshot_note is not None:
-            record["final_snapshot"] = snapshot_note
-        write_json(run_dir / RUN_FILE, record)
-        return info
-
-    def write_spec_json(extra: dict[str, Any]) -> None:
-        write_json(
-            run_dir / SPEC_FILE,
-            {
-                "scenario": spec.to_json(),
-                "seed": options.seed,
-                "backend": backend_spec.display() if backend_spec else options.backend,
-                "schema": schema,
-                "sql_path": options.sql_path,
-                "nemesis_schedule": [p.to_json() for p in planned],
-                "replay": options.replay or replay_command(
-                    spec, seed=options.seed, backend=options.backend,
-                    sql_path=options.sql_path),
-                **description,
-                **extra,
-            },
-        )
-
-    phases: list[dict[str, Any]] = []
-
-    def phase(name: str) -> None:
-        now = time.time()
-        if phases:
-            phases[-1]["end"] = now
-        if name:
-            phases.append({"name": name, "start": now, "end": None})
-        if loop is not None:
-            loop.phase = name or "done"
+    _lay_out_run_dir(run_dir)
+    run = _RunState(
+        spec=spec,
+        options=options,
+        run_dir=run_dir,
+        planned=planned,
+        say=say,
+        started=time.time(),
+        schema=options.schema or f"skiplock_{secrets.token_hex(4)}",
+    )
 
     try:
-        with contextlib.ExitStack() as stack:
-            phase("setup")
-            server = (options.server if options.server is not None
-                      else stack.enter_context(postgres(options.dsn, durable=True)))
-            server_up = server
-            backend_spec = BackendSpec(name=options.backend, dsn=server.dsn, schema=schema,
-                                       sql_path=options.sql_path)
-            description = describe(server.dsn)
-            with contextlib.suppress(Exception):
-                description["postgres"]["harness"] = server.settings()
-            description["postgres"]["dsn"] = redact_dsn(server.dsn)
-            description["postgres"]["owned"] = server.owned
-            write_spec_json({"phases": phases})
-
-            queue: QueueBackend = backend_spec.create()
-            stack.callback(queue.close)
-            try:
-                queue.setup()
-                if options.schema is None and not options.keep_schema:
-                    # Registered before the snapshot runs, so it runs after it (LIFO).
-                    stack.callback(_drop_schema, server.dsn, schema)
-                # Every statement checked on the fresh schema before any load starts, so
-                # bad SQL is one line naming its file and block, not every call failing.
-                if isinstance(queue, ChecksStatements):
-                    queue.check_statements()
-            except StatementError as exc:
-                if exc.ours:
-                    raise HarnessError(str(exc)) from exc
-                refused = True
-                raise UsageError(str(exc)) from None
-            # Announced once the input is known to be good: a refused run says only why.
-            say(f"run directory: {run_dir}")
-            say(f"PostgreSQL: {server.kind} {server.display}")
-            queue.upsert_accounts(
-                [Account(id=a, concurrency_limit=limit)
-                 for a, limit in spec.account_limits().items()]
-            )
-
-            snapshot_spec = backend_spec
-
-            def snapshot_on_interrupt(exc_type: type[BaseException] | None, *_: object) -> bool:
-                # Pushed after the schema's drop, so it runs before it and after every
-                # process of the run has stopped: an interrupted run is still judgeable.
-                nonlocal final_jobs, snapshot_note
-                if (exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
-                        and snapshot_note is None):
-                    say("interrupted: taking the final snapshot")
-                    final_jobs, snapshot_note = _interrupted_snapshot(
-                        snapshot_spec, run_dir / FINAL_JOBS_FILE
-                    )
-                    say(f"final snapshot {snapshot_note}")
-                return False
-
-            stack.push(snapshot_on_interrupt)
-
-            target = stack.enter_context(_target(run_dir))
-            allow = (f"{target.host}:{target.port}",)
-            config = dataclasses.replace(dispatcher_config(spec, allow), seed=options.seed)
-            if any(p.kind in FAILPOINT_NAMES or p.phase == "claim" for p in planned):
-                config = dataclasses.replace(
-                    config, failpoint_file=str(run_dir / FAILPOINTS_FILE))
-
-            loop = _SampleLoop(Sampler(run_dir, server.dsn, schema, queue,
-                                       limits=dict(spec.accounts)),
-                               SampleWriter(run_dir / SAMPLES_FILE), observer)
-            loop.start()
-            stack.callback(loop.stop)
-
-            pool = stack.enter_context(
-                WorkerPool(backend_spec, config, spec.workers, run_dir / WORKERS_DIR,
-                           supervise=spec.supervise, restart_delay=spec.restart_delay,
-                           app_prefix=app_prefix(schema),
-                           stderr_dir=(run_dir / "logs") if options.worker_logs_to_files
-                           else None)
-            )
-            pool.start()
-            say(f"{spec.workers} workers, target {target.url}")
-
-            nemesis_log = stack.enter_context(JsonlWriter(run_dir / NEMESIS_FILE))
-            configs = _producer_configs(spec, backend_spec, run_dir, target.deliver_url,
-                                        options.seed)
-            producers = stack.enter_context(producer_processes(configs))
-            start_at = _go(run_dir, producers)
-            phase("warmup")
-            nemesis.start(_Ctx(run_dir=run_dir, server=server, pool=pool,
-                               nemesis_log=nemesis_log, schema=schema, target=target,
-                               spec=spec, load_start=start_at + spec.warmup), options.seed)
-            try:
-                stopped = _wait_phases(spec, producers, start_at, phase)
-            finally:
-                nemesis.stop()
-            if planned:
-                applied = sum(1 for _ in _read_faults(run_dir) if not _.get("skipped"))
-                say(f"faults healed: {applied} applied of {len(planned)} planned"
-                    + (f", {pool.replacements} worker(s) replaced" if pool.replacements else ""))
-            if spec.quiesce > 0:
-                phase("quiesce")
-                time.sleep(spec.quiesce)
-            if stopped:
-                say(f"stopped producer(s) that overran the load phase: {', '.join(stopped)}")
-                phases[-1]["producers_stopped"] = stopped
-            _check_producers(producers, stopped)
-
-            phase("drain")
-            drain_started = time.monotonic()
-            drained = _wait_drained(loop, spec, pool)
-            drain_seconds = time.monotonic() - drain_started
-            if drained:
-                say("drained")
-            elif not any(pool.alive()):
-                say("drain stopped: every worker process has died")
-            else:
-                say(f"drain timed out after {spec.drain_timeout:g} s")
-            pool.stop(grace_seconds=options.worker_grace_seconds)
-            phase("")
-            # A fresh session: a fault (backends terminated, the server restarted) may have
-            # cut the one this queue object opened earlier.
-            queue.close()
-            final_jobs = _write_final_jobs(run_dir / FINAL_JOBS_FILE, queue.snapshot())
-            snapshot_note = "taken after the drain"
-            exit_reason = "completed"
+        _run_to_final_snapshot(run, nemesis, observer, WorkerPool)
     except KeyboardInterrupt:
-        exit_reason = "interrupted"
-        if snapshot_note is None:
-            snapshot_note = "not taken: interrupted before the queue was set up"
+        run.exit_reason = "interrupted"
+        if run.snapshot_note is None:
+            run.snapshot_note = "not taken: interrupted before the queue was set up"
         raise
     except UsageError as exc:
-        exit_reason = f"error: {exc}"
-        if server_up is None or refused:
+        run.exit_reason = f"error: {exc}"
+        if run.server_up is None or run.refused:
             # Bad input found before anything ran (e.g. an unreachable DSN): leave no
             # half-made run directory behind.
             shutil.rmtree(run_dir, ignore_errors=True)
-            run_dir_removed = True
+            run.run_dir_removed = True
         raise
     except HarnessError as exc:
-        exit_reason = f"error: {exc}"
+        run.exit_reason = f"error: {exc}"
         raise
     except Exception as exc:
-        exit_reason = f"error: {type(exc).__name__}: {exc}"
+        run.exit_reason = f"error: {type(exc).__name__}: {exc}"
         raise HarnessError(f"{type(exc).__name__}: {exc}") from exc
     finally:
-        if not run_dir_removed:
-            if phases and phases[-1]["end"] is None:
-                phases[-1]["end"] = time.time()
-            info = write_run_info()
+        if not run.run_dir_removed:
+            if run.phases and run.phases[-1]["end"] is None:
+                run.phases[-1]["end"] = time.time()
+            info = run.write_run_info()
             with contextlib.suppress(Exception):
-                write_spec_json({"phases": phases})
+                run.write_spec_json({"phases": run.phases})
 
     try:
         # Every writer of the run has stopped: let this first check keep a columnar copy of
@@ -765,10 +657,233 @@ def run_scenario(
         raise HarnessError(f"the run's own history cannot be read: {exc}") from exc
     write_verdict(run_dir, verdict)
     result = RunResult(run_dir=run_dir, verdict=verdict, info=info,
-                       samples=list(loop.samples) if loop else [], description=description)
+                       samples=list(run.loop.samples) if run.loop else [],
+                       description=run.description)
     if options.report:
         result.report, result.report_error = _write_report(run_dir)
     return result
+
+
+def _choose_nemesis(
+    spec: ScenarioSpec, options: RunOptions, nemesis: Nemesis | None, say: Callable[[str], None]
+) -> tuple[list[Any], Nemesis]:
+    """The run's nemesis and the faults it plans: the caller's nemesis (nothing planned), else
+    the spec's `[[nemesis]]` schedule, else none. Raises UsageError for a schedule that
+    cannot run against this server, before anything starts."""
+    from chaos.nemesis import NemesisError, check_schedule, plan
+
+    if nemesis is not None or not spec.nemesis:
+        return [], nemesis or NoNemesis()
+    # Refused before anything starts: a fault that needs a server the harness owns,
+    # against a DSN it was given.
+    external = (not options.server.owned if options.server is not None
+                else bool(options.dsn or os.environ.get(DSN_ENV)))
+    try:
+        check_schedule(spec.nemesis, load_seconds=spec.duration,
+                       server_owned=not external)
+    except NemesisError as exc:
+        raise UsageError(str(exc)) from None
+    planned = plan(spec.nemesis, seed=options.seed, load_seconds=spec.duration,
+                   lease_seconds=spec.lease, http_timeout_seconds=spec.http_timeout)
+    return planned, _ScheduleNemesis(planned, say)
+
+
+def _lay_out_run_dir(run_dir: Path) -> None:
+    """The directories and empty logs every run directory has, whatever the run writes."""
+    (run_dir / LOCUST_DIR).mkdir()
+    (run_dir / WORKERS_DIR).mkdir()
+    (run_dir / NEMESIS_FILE).touch()
+    # With its header: a run in which no producer wrote still leaves a well-formed log.
+    LogWriter(run_dir / ENQUEUES_FILE, ENQUEUE_LOG).close()
+
+
+def _run_to_final_snapshot(
+    run: _RunState,
+    nemesis: Nemesis,
+    observer: Observer | None,
+    worker_pool: type[WorkerPool],
+) -> None:
+    """Everything from starting PostgreSQL to the final snapshot, recorded in `run`.
+
+    Everything started here is entered on one ExitStack, so it is stopped in reverse order
+    of starting when this returns, raises or is interrupted. Each step below registers its
+    cleanups in turn; the order of the steps is the order of those registrations, which
+    is why the schema's drop runs after the interrupted snapshot (LIFO).
+
+    `worker_pool` is scenarios.workers.WorkerPool, imported by `run_scenario` before the
+    run started."""
+    spec, options = run.spec, run.options
+    with contextlib.ExitStack() as stack:
+        run.phase("setup")
+        server = _start_server(run, stack)
+        queue = _set_up_queue(run, stack, server)
+        stack.push(_snapshot_on_interrupt(run))
+        target = stack.enter_context(_target(run.run_dir))
+        config = _run_dispatcher_config(run, target)
+
+        loop = _SampleLoop(Sampler(run.run_dir, server.dsn, run.schema, queue,
+                                   limits=dict(spec.accounts)),
+                           SampleWriter(run.run_dir / SAMPLES_FILE), observer)
+        run.loop = loop
+        loop.start()
+        stack.callback(loop.stop)
+
+        pool = stack.enter_context(
+            worker_pool(_backend(run), config, spec.workers, run.run_dir / WORKERS_DIR,
+                        supervise=spec.supervise, restart_delay=spec.restart_delay,
+                        app_prefix=app_prefix(run.schema),
+                        stderr_dir=(run.run_dir / "logs") if options.worker_logs_to_files
+                        else None)
+        )
+        pool.start()
+        run.say(f"{spec.workers} workers, target {target.url}")
+
+        _run_load(run, stack, nemesis, server=server, pool=pool, target=target)
+        _drain(run, loop, pool)
+        pool.stop(grace_seconds=options.worker_grace_seconds)
+        run.phase("")
+        # A fresh session: a fault (backends terminated, the server restarted) may have
+        # cut the one this queue object opened earlier.
+        queue.close()
+        run.final_jobs = _write_final_jobs(run.run_dir / FINAL_JOBS_FILE, queue.snapshot())
+        run.snapshot_note = "taken after the drain"
+        run.exit_reason = "completed"
+
+
+def _backend(run: _RunState) -> BackendSpec:
+    """The run's backend, once `_start_server` has described it."""
+    assert run.backend_spec is not None
+    return run.backend_spec
+
+
+def _start_server(run: _RunState, stack: contextlib.ExitStack) -> PgServer:
+    """The PostgreSQL server of the run (the caller's, or one provisioned for it), described
+    in spec.json before anything else touches it."""
+    options = run.options
+    server = (options.server if options.server is not None
+              else stack.enter_context(postgres(options.dsn, durable=True)))
+    run.server_up = server
+    run.backend_spec = BackendSpec(name=options.backend, dsn=server.dsn, schema=run.schema,
+                                   sql_path=options.sql_path)
+    run.description = describe(server.dsn)
+    with contextlib.suppress(Exception):
+        run.description["postgres"]["harness"] = server.settings()
+    run.description["postgres"]["dsn"] = redact_dsn(server.dsn)
+    run.description["postgres"]["owned"] = server.owned
+    run.write_spec_json({"phases": run.phases})
+    return server
+
+
+def _set_up_queue(run: _RunState, stack: contextlib.ExitStack, server: PgServer) -> QueueBackend:
+    """Create the queue's schema, check every statement on it, and add the accounts.
+
+    SQL the database refuses is the user's input (UsageError, and `run.refused` so that no
+    run directory is left); SQL of our own that fails is a HarnessError."""
+    options = run.options
+    queue: QueueBackend = _backend(run).create()
+    stack.callback(queue.close)
+    try:
+        queue.setup()
+        if options.schema is None and not options.keep_schema:
+            # Registered before the snapshot runs, so it runs after it (LIFO).
+            stack.callback(_drop_schema, server.dsn, run.schema)
+        # Every statement checked on the fresh schema before any load starts, so
+        # bad SQL is one line naming its file and block, not every call failing.
+        if isinstance(queue, ChecksStatements):
+            queue.check_statements()
+    except StatementError as exc:
+        if exc.ours:
+            raise HarnessError(str(exc)) from exc
+        run.refused = True
+        raise UsageError(str(exc)) from None
+    # Announced once the input is known to be good: a refused run says only why.
+    run.say(f"run directory: {run.run_dir}")
+    run.say(f"PostgreSQL: {server.kind} {server.display}")
+    queue.upsert_accounts(
+        [Account(id=a, concurrency_limit=limit)
+         for a, limit in run.spec.account_limits().items()]
+    )
+    return queue
+
+
+def _snapshot_on_interrupt(
+    run: _RunState,
+) -> Callable[[type[BaseException] | None, BaseException | None, Any], bool]:
+    """An exit callback that takes the final snapshot when the run is interrupted (Ctrl-C),
+    so that an interrupted run is still judgeable. It never swallows the exception."""
+    snapshot_spec = _backend(run)
+
+    def snapshot_on_interrupt(exc_type: type[BaseException] | None, *_: object) -> bool:
+        # Pushed after the schema's drop, so it runs before it and after every
+        # process of the run has stopped: an interrupted run is still judgeable.
+        if (exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+                and run.snapshot_note is None):
+            run.say("interrupted: taking the final snapshot")
+            run.final_jobs, run.snapshot_note = _interrupted_snapshot(
+                snapshot_spec, run.run_dir / FINAL_JOBS_FILE
+            )
+            run.say(f"final snapshot {run.snapshot_note}")
+        return False
+
+    return snapshot_on_interrupt
+
+
+def _run_dispatcher_config(run: _RunState, target: Any) -> DispatcherConfig:
+    """The workers' configuration: the spec's, admitting the run's echo target, seeded, and
+    reading failpoints from the run directory when the fault schedule sets any."""
+    allow = (f"{target.host}:{target.port}",)
+    config = dataclasses.replace(dispatcher_config(run.spec, allow), seed=run.options.seed)
+    if any(p.kind in FAILPOINT_NAMES or p.phase == "claim" for p in run.planned):
+        config = dataclasses.replace(
+            config, failpoint_file=str(run.run_dir / FAILPOINTS_FILE))
+    return config
+
+
+def _run_load(
+    run: _RunState, stack: contextlib.ExitStack, nemesis: Nemesis, *, server: PgServer,
+    pool: Any, target: Any,
+) -> None:
+    """Start the producers and the fault schedule, run warm-up and load (then the quiet
+    period, if any), and refuse a run whose producers failed."""
+    spec, say = run.spec, run.say
+    nemesis_log = stack.enter_context(JsonlWriter(run.run_dir / NEMESIS_FILE))
+    configs = _producer_configs(spec, _backend(run), run.run_dir, target.deliver_url,
+                                run.options.seed)
+    producers = stack.enter_context(producer_processes(configs))
+    start_at = _go(run.run_dir, producers)
+    run.phase("warmup")
+    nemesis.start(_Ctx(run_dir=run.run_dir, server=server, pool=pool,
+                       nemesis_log=nemesis_log, schema=run.schema, target=target,
+                       spec=spec, load_start=start_at + spec.warmup), run.options.seed)
+    try:
+        stopped = _wait_phases(spec, producers, start_at, run.phase)
+    finally:
+        nemesis.stop()
+    if run.planned:
+        applied = sum(1 for _ in _read_faults(run.run_dir) if not _.get("skipped"))
+        say(f"faults healed: {applied} applied of {len(run.planned)} planned"
+            + (f", {pool.replacements} worker(s) replaced" if pool.replacements else ""))
+    if spec.quiesce > 0:
+        run.phase("quiesce")
+        time.sleep(spec.quiesce)
+    if stopped:
+        say(f"stopped producer(s) that overran the load phase: {', '.join(stopped)}")
+        run.phases[-1]["producers_stopped"] = stopped
+    _check_producers(producers, stopped)
+
+
+def _drain(run: _RunState, loop: _SampleLoop, pool: Any) -> None:
+    """Wait, bounded by the drain timeout, for the queue to settle, and say how it ended."""
+    run.phase("drain")
+    drain_started = time.monotonic()
+    run.drained = _wait_drained(loop, run.spec, pool)
+    run.drain_seconds = time.monotonic() - drain_started
+    if run.drained:
+        run.say("drained")
+    elif not any(pool.alive()):
+        run.say("drain stopped: every worker process has died")
+    else:
+        run.say(f"drain timed out after {run.spec.drain_timeout:g} s")
 
 
 def _write_report(run_dir: Path) -> tuple[Path | None, str | None]:

@@ -121,15 +121,39 @@ class ScenarioSpec:
     # ---------------------------------------------------------------------------------------
 
     def validate(self) -> ScenarioSpec:
-        """Refuse values that cannot run; returns self so calls chain."""
+        """Refuse values that cannot run; returns self so calls chain.
+
+        The checks run in a fixed order, so when several values are wrong the same one is
+        reported first every time (the first problem found is the one the message names)."""
+        self._check_name()
+        self._check_finite()
+        self._check_signs()
+        self._check_retry_policy()
+        self._check_timing()
+        if not 100 <= self.fail_status <= 599:
+            raise SpecError(f"fail_status must be an HTTP status (got {self.fail_status})")
+        self._check_accounts()
+        self._check_mix_scripts()
+        self._check_account_mix()
+        self._check_failpoints()
+        self._check_nemesis()
+        if sum(self.mix.values()) <= 0:
+            raise SpecError("mix weights sum to 0: give at least one script a positive weight")
+        return self
+
+    def _check_name(self) -> None:
+        """The name becomes part of the run directory's name: one plain file-name part."""
         if not _NAME.match(self.name):
             raise SpecError(
                 f"name {self.name!r} cannot name a run directory: use letters, digits, '-',"
                 f" '_' and '.' (not first), at most {NAME_MAX} characters (name = \"...\" in"
                 " the scenario file, or --set name=...)"
             )
-        # NaN passes every comparison below (all of them are False), and an infinite
-        # duration or lease never ends: refuse both before anything else.
+
+    def _check_finite(self) -> None:
+        """Refuse NaN and infinities anywhere, scalars first, then each table's values."""
+        # NaN passes every comparison in the later checks (all of them are False), and an
+        # infinite duration or lease never ends: refuse both before anything else.
         numbers: list[tuple[str, object]] = [
             (f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
             if f.name not in _TABLES
@@ -140,6 +164,9 @@ class ScenarioSpec:
             if (isinstance(value, float | int) and not isinstance(value, bool)
                     and not math.isfinite(value)):
                 raise SpecError(f"{key} must be a finite number (got {value})")
+
+    def _check_signs(self) -> None:
+        """Counts and intervals that must be positive, then those that may also be zero."""
         positive = {
             "duration": self.duration,
             "drain_timeout": self.drain_timeout,
@@ -171,24 +198,34 @@ class ScenarioSpec:
         for key, value in non_negative.items():
             if value < 0:
                 raise SpecError(f"{key} must not be negative (got {value})")
+
+    def _check_retry_policy(self) -> None:
         if self.retry_cap < self.retry_base:
             raise SpecError(
                 f"retry_cap ({self.retry_cap}) must be at least retry_base ({self.retry_base})"
             )
         if not 0.0 <= self.retry_jitter <= 1.0:
             raise SpecError(f"retry_jitter must be between 0 and 1 (got {self.retry_jitter})")
+
+    def _check_timing(self) -> None:
+        """A call plus its result write must fit in the lease, or a second worker may claim a
+        job whose first call is still running (allowed only with unsafe_timing)."""
         if not self.unsafe_timing and self.http_timeout + self.write_margin >= self.lease:
             raise SpecError(
                 f"http_timeout + write_margin ({self.http_timeout} + {self.write_margin}) must be"
                 f" shorter than lease ({self.lease}): raise lease, or set unsafe_timing=true"
             )
-        if not 100 <= self.fail_status <= 599:
-            raise SpecError(f"fail_status must be an HTTP status (got {self.fail_status})")
+
+    def _check_accounts(self) -> None:
         if not self.accounts:
             raise SpecError("accounts is empty: give at least one, e.g. --set accounts.acme=4")
         for account, limit in self.accounts.items():
             if limit is not None and limit <= 0:
                 raise SpecError(f"accounts.{account} limit must be positive (got {limit})")
+
+    def _check_mix_scripts(self) -> None:
+        """Each mix entry names a known script with a weight of at least 0 (the weights'
+        sum is checked last, in `validate`)."""
         for script, weight in self.mix.items():
             if script not in SCRIPT_NAMES:
                 raise SpecError(
@@ -196,6 +233,8 @@ class ScenarioSpec:
                 )
             if weight < 0:
                 raise SpecError(f"mix.{script} weight must not be negative (got {weight})")
+
+    def _check_account_mix(self) -> None:
         for account, weight in self.account_mix.items():
             if account not in self.accounts:
                 raise SpecError(f"account_mix.{account}: no such account in [accounts]")
@@ -204,6 +243,8 @@ class ScenarioSpec:
                                 f"(got {weight})")
         if self.account_mix and sum(self.account_weights()) <= 0:
             raise SpecError("account_mix weights sum to 0: give an account a positive weight")
+
+    def _check_failpoints(self) -> None:
         for point, probability in self.failpoints.items():
             if point not in FAILPOINT_NAMES:
                 raise SpecError(
@@ -211,6 +252,10 @@ class ScenarioSpec:
                 )
             if not 0.0 <= probability <= 1.0:
                 raise SpecError(f"failpoints.{point} must be between 0 and 1 (got {probability})")
+
+    def _check_nemesis(self) -> None:
+        """Each `[[nemesis]]` entry on its own, then that crash failpoints are not given both
+        ways at once."""
         for entry in self.nemesis:
             try:
                 entry.validate()
@@ -221,9 +266,6 @@ class ScenarioSpec:
                 n.kind in FAILPOINT_NAMES for n in self.nemesis):
             raise SpecError("give crash failpoints either as [failpoints] or as [[nemesis]]"
                             " entries, not both")
-        if sum(self.mix.values()) <= 0:
-            raise SpecError("mix weights sum to 0: give at least one script a positive weight")
-        return self
 
     # ---------------------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from chaos.nemesis import NEMESIS_KINDS
 from queue_impl.plugins import BACKEND_NAMES, dsn_view
-from reports.bench_checker import RunBuilder
+from reports.synthetic import RunBuilder
 from scenarios import cli
 from scenarios.spec import FAILPOINT_NAMES, SCALAR_KEYS, SCRIPT_NAMES, available
 
@@ -1246,6 +1246,121 @@ def _swap_columns(data: bytes, i: int, j: int, header_too: bool, line_index: int
     return b"\n".join(out)
 
 
+# Each `_damage_*` function damages one file in its own way, drawing what it needs. It returns
+# the detail to record ("" for none), or None when this file cannot take that damage (too
+# short, wrong kind of file), in which case the file is left untouched and nothing is recorded.
+# The draws each makes, and their order, are part of how a failing example is reproduced.
+
+
+def _damage_cut(draw: st.DrawFn, path: Path, data: bytes) -> str | None:
+    cut = _cut_mid_line(data, draw)
+    if cut is None:
+        return None
+    path.write_bytes(cut)
+    return ""
+
+
+def _damage_delete(draw: st.DrawFn, path: Path, data: bytes) -> str | None:
+    path.unlink()
+    return ""
+
+
+def _damage_empty(draw: st.DrawFn, path: Path, data: bytes) -> str | None:
+    path.write_bytes(b"")
+    return ""
+
+
+def _damage_inject(draw: st.DrawFn, path: Path, data: bytes) -> str | None:
+    at = draw(st.integers(0, len(data)))
+    blob = draw(st.one_of(st.binary(min_size=1, max_size=12), st.sampled_from(
+        [b"\x00", b"\n", b"\r\n", b",", b'"', b"\n\n", b"\xff\xfe", b"inf", b"-1",
+         b"nan", b"1e400", b"\\", b"\r"])))
+    path.write_bytes(data[:at] + blob + data[at:])
+    return repr(blob) + f"@{at}"
+
+
+def _damage_dup_line(draw: st.DrawFn, path: Path, data: bytes) -> str | None:
+    lines = data.splitlines(keepends=True)
+    if len(lines) < 2:
+        return None
+    i = draw(st.integers(1, len(lines) - 1))
+    path.write_bytes(b"".join(lines[: i + 1] + lines[i:]))
+    return ""
+
+
+def _damage_swap(draw: st.DrawFn, path: Path, data: bytes) -> str | None:
+    if path.suffix != ".csv":
+        return None
+    width = data.split(b"\n", 1)[0].count(b",") + 1
+    i, j = draw(st.integers(0, width - 1)), draw(st.integers(0, width - 1))
+    header_too = draw(st.booleans())
+    n_lines = data.count(b"\n")
+    line_index = draw(st.one_of(st.none(), st.integers(1, max(1, n_lines))))
+    path.write_bytes(_swap_columns(data, i, j, header_too, line_index))
+    return f"{i}<->{j} header={header_too} line={line_index}"
+
+
+def _damage_json(draw: st.DrawFn, path: Path, data: bytes) -> str | None:
+    """Give one JSON value another type: in a .json document, in one line of a .jsonl log,
+    or in final_jobs.csv's `extra` column."""
+    if path.suffix == ".json":
+        return _damage_json_document(draw, path, data)
+    if path.suffix == ".jsonl" and data.strip():
+        return _damage_jsonl_line(draw, path, data)
+    if path.name == "final_jobs.csv":
+        return _damage_extra_column(draw, path, data)
+    return None
+
+
+def _damage_json_document(draw: st.DrawFn, path: Path, data: bytes) -> str | None:
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or not doc:
+        return None
+    key = draw(st.sampled_from(sorted(doc)))
+    doc[key] = draw(st.sampled_from(_JSON_REPLACEMENTS))
+    path.write_text(json.dumps(doc))
+    return f"{key}={doc[key]!r}"
+
+
+def _damage_jsonl_line(draw: st.DrawFn, path: Path, data: bytes) -> str | None:
+    lines = data.splitlines(keepends=True)
+    i = draw(st.integers(0, len(lines) - 1))
+    try:
+        record = json.loads(lines[i])
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not record:
+        return None
+    key = draw(st.sampled_from(sorted(record)))
+    record[key] = draw(st.sampled_from(_JSON_REPLACEMENTS))
+    lines[i] = (json.dumps(record) + "\n").encode()
+    path.write_bytes(b"".join(lines))
+    return f"line {i}: {key}={record[key]!r}"
+
+
+def _damage_extra_column(draw: st.DrawFn, path: Path, data: bytes) -> str | None:
+    # the `extra` column holds JSON: make it another type
+    text = data.decode("utf-8", "replace")
+    repl = draw(st.sampled_from(['"[1,2]"', "1", '"""x"""', "null", '"{"', "true"]))
+    text = re.sub(r'"\{[^\n]*\}"$', repl, text, count=1, flags=re.MULTILINE)
+    path.write_text(text)
+    return repl
+
+
+_DAMAGE_FILE: dict[str, Callable[[st.DrawFn, Path, bytes], str | None]] = {
+    "cut": _damage_cut,
+    "delete": _damage_delete,
+    "inject": _damage_inject,
+    "swap": _damage_swap,
+    "json": _damage_json,
+    "empty": _damage_empty,
+    "dup_line": _damage_dup_line,
+}
+
+
 @st.composite
 def damages(draw: st.DrawFn, run_dir: Path) -> list[Damage]:
     """Apply 1-3 kinds of damage to `run_dir`, returning what was done."""
@@ -1264,78 +1379,9 @@ def damages(draw: st.DrawFn, run_dir: Path) -> list[Damage]:
         path = draw(st.sampled_from(files))
         rel = str(path.relative_to(run_dir))
         data = path.read_bytes()
-        if what == "cut":
-            cut = _cut_mid_line(data, draw)
-            if cut is None:
-                continue
-            path.write_bytes(cut)
-        elif what == "delete":
-            path.unlink()
-        elif what == "empty":
-            path.write_bytes(b"")
-        elif what == "inject":
-            at = draw(st.integers(0, len(data)))
-            blob = draw(st.one_of(st.binary(min_size=1, max_size=12), st.sampled_from(
-                [b"\x00", b"\n", b"\r\n", b",", b'"', b"\n\n", b"\xff\xfe", b"inf", b"-1",
-                 b"nan", b"1e400", b"\\", b"\r"])))
-            path.write_bytes(data[:at] + blob + data[at:])
-            done.append(Damage(what, rel, repr(blob) + f"@{at}"))
-            continue
-        elif what == "dup_line":
-            lines = data.splitlines(keepends=True)
-            if len(lines) < 2:
-                continue
-            i = draw(st.integers(1, len(lines) - 1))
-            path.write_bytes(b"".join(lines[: i + 1] + lines[i:]))
-        elif what == "swap":
-            if path.suffix != ".csv":
-                continue
-            width = data.split(b"\n", 1)[0].count(b",") + 1
-            i, j = draw(st.integers(0, width - 1)), draw(st.integers(0, width - 1))
-            header_too = draw(st.booleans())
-            n_lines = data.count(b"\n")
-            line_index = draw(st.one_of(st.none(), st.integers(1, max(1, n_lines))))
-            path.write_bytes(_swap_columns(data, i, j, header_too, line_index))
-            done.append(Damage(what, rel, f"{i}<->{j} header={header_too} line={line_index}"))
-            continue
-        elif what == "json":
-            if path.suffix == ".json":
-                try:
-                    doc = json.loads(data)
-                except ValueError:
-                    continue
-                if not isinstance(doc, dict) or not doc:
-                    continue
-                key = draw(st.sampled_from(sorted(doc)))
-                doc[key] = draw(st.sampled_from(_JSON_REPLACEMENTS))
-                path.write_text(json.dumps(doc))
-                done.append(Damage(what, rel, f"{key}={doc[key]!r}"))
-                continue
-            if path.suffix == ".jsonl" and data.strip():
-                lines = data.splitlines(keepends=True)
-                i = draw(st.integers(0, len(lines) - 1))
-                try:
-                    record = json.loads(lines[i])
-                except ValueError:
-                    continue
-                if not isinstance(record, dict) or not record:
-                    continue
-                key = draw(st.sampled_from(sorted(record)))
-                record[key] = draw(st.sampled_from(_JSON_REPLACEMENTS))
-                lines[i] = (json.dumps(record) + "\n").encode()
-                path.write_bytes(b"".join(lines))
-                done.append(Damage(what, rel, f"line {i}: {key}={record[key]!r}"))
-                continue
-            if path.name == "final_jobs.csv":
-                # the `extra` column holds JSON: make it another type
-                text = data.decode("utf-8", "replace")
-                repl = draw(st.sampled_from(['"[1,2]"', "1", '"""x"""', "null", '"{"', "true"]))
-                text = re.sub(r'"\{[^\n]*\}"$', repl, text, count=1, flags=re.MULTILINE)
-                path.write_text(text)
-                done.append(Damage(what, rel, repl))
-                continue
-            continue
-        done.append(Damage(what, rel))
+        detail = _DAMAGE_FILE[what](draw, path, data)
+        if detail is not None:
+            done.append(Damage(what, rel, detail))
     return done
 
 
