@@ -8,7 +8,10 @@ transaction) of a batch is run `--repeat` times and rolled back each time, so ev
 sees the same table. It prints, per size, the claim's p50 and p99 wall time (round trips
 included), and from one executed plan (EXPLAIN ANALYZE, BUFFERS) of the claim statement the
 rows its scans filtered out and the buffers it touched: a claim whose cost does not grow with
-a full account's backlog keeps all three flat. `--sql FILE` measures your claim instead.
+a full account's backlog keeps all three flat. `--accounts 1,1000` repeats each size with
+that many unlimited accounts sharing the unlimited due work (20 due jobs each): a claim whose
+cost does not grow with the number of accounts keeps them flat too. `--sql FILE` measures
+your claim instead.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from plumbing.errors import UsageError
+from queue_impl.pg import apply_plan_settings, explain_as_run
 from queue_impl.sqlfile import statements_and_sources
 from reports.selfdescribe import describe
 from scenarios.provision import postgres
@@ -35,11 +39,13 @@ from scenarios.provision import postgres
 SCHEMA_PREFIX = "skiplock_bench_claim"
 OTHER_DUE = 20
 DEFAULT_BACKLOGS = (1_000, 100_000)
+DEFAULT_ACCOUNTS = (1,)
 
 
 @dataclass(frozen=True, kw_only=True)
 class SizeResult:
     backlog: int
+    unlimited_accounts: int
     claimed: int
     p50_ms: float
     p99_ms: float
@@ -53,6 +59,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backlogs", default=",".join(map(str, DEFAULT_BACKLOGS)),
                         help="due jobs of the full account, comma-separated (default "
                              "1000,100000)")
+    parser.add_argument("--accounts", default="1",
+                        help="unlimited accounts with due work, comma-separated: each size is "
+                             "measured with each count (default 1)")
     parser.add_argument("--batch", type=int, default=10, help="jobs per claim (default 10)")
     parser.add_argument("--repeat", type=int, default=200,
                         help="claims timed per size (default 200)")
@@ -64,19 +73,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="JSON result file (default ./bench-results/claim-TIMESTAMP.json)")
 
 
-def _backlogs(text: str) -> tuple[int, ...]:
+def _counts(flag: str, text: str, most: int) -> tuple[int, ...]:
     try:
-        sizes = tuple(int(part) for part in text.split(","))
+        counts = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise UsageError(f"--backlogs must be whole numbers separated by commas, got {text!r}") \
+        raise UsageError(f"{flag} must be whole numbers separated by commas, got {text!r}") \
             from None
-    if not sizes or any(n < 1 or n > 50_000_000 for n in sizes):
-        raise UsageError(f"--backlogs must each be between 1 and 50000000, got {text!r}")
-    return sizes
+    if not counts or any(n < 1 or n > most for n in counts):
+        raise UsageError(f"{flag} must each be between 1 and {most}, got {text!r}")
+    return counts
 
 
 def run(args: argparse.Namespace) -> int:
-    backlogs = _backlogs(args.backlogs)
+    backlogs = _counts("--backlogs", args.backlogs, 50_000_000)
+    accounts = _counts("--accounts", args.accounts, 100_000)
     for name in ("batch", "repeat"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name} must be a positive integer, got {getattr(args, name)}")
@@ -92,18 +102,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"server: {server.kind} {server.display}, PostgreSQL "
               f"{settings['server_version']}; batch {args.batch}, {args.repeat} claims per size",
               flush=True)
-        results = [measure(server.dsn, statements, n, args.batch, args.repeat)
-                   for n in backlogs]
+        results = [measure(server.dsn, statements, n, args.batch, args.repeat, accounts=a)
+                   for n in backlogs for a in accounts]
     base = results[0]
-    print(f"{'backlog':>10} {'p50 ms':>8} {'p99 ms':>8} {'exec ms':>8} {'filtered':>9} "
-          f"{'buffers':>8} {'claimed':>8} {'p50 x':>6}")
+    print(f"{'backlog':>10} {'accounts':>9} {'p50 ms':>8} {'p99 ms':>8} {'exec ms':>8} "
+          f"{'filtered':>9} {'buffers':>8} {'claimed':>8} {'p50 x':>6}")
     for r in results:
-        print(f"{r.backlog:>10,} {r.p50_ms:>8.2f} {r.p99_ms:>8.2f} {r.execution_ms:>8.2f} "
+        print(f"{r.backlog:>10,} {r.unlimited_accounts:>9,} {r.p50_ms:>8.2f} {r.p99_ms:>8.2f} "
+              f"{r.execution_ms:>8.2f} "
               f"{r.rows_filtered:>9,} {r.buffers:>8,} {r.claimed:>8} "
               f"{r.p50_ms / base.p50_ms:>6.2f}")
     doc = {"benchmark": "claim", "finished_at": datetime.now(UTC).isoformat(),
-           "params": {"backlogs": backlogs, "batch": args.batch, "repeat": args.repeat,
-                      "sql": args.sql},
+           "params": {"backlogs": backlogs, "accounts": accounts, "batch": args.batch,
+                      "repeat": args.repeat, "sql": args.sql},
            "postgres": settings, "durable": settings["durable"],
            "server": {"kind": server.kind, "dsn": server.display}, **describe(),
            "sizes": [asdict(r) for r in results]}
@@ -114,16 +125,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure(dsn: str, statements: dict[str, str], backlog: int, batch: int,
-            repeat: int) -> SizeResult:
-    schema = f"{SCHEMA_PREFIX}_{backlog}"
+            repeat: int, *, accounts: int = 1) -> SizeResult:
+    schema = f"{SCHEMA_PREFIX}_{backlog}_{accounts}"
     with psycopg.connect(dsn, autocommit=True) as conn:
         create_schema(conn, schema, statements)
         started = time.perf_counter()
-        _fill(conn, backlog)
+        _fill(conn, backlog, accounts)
         fill_seconds = time.perf_counter() - started
     try:
         with psycopg.connect(dsn) as conn:
             use_schema(conn, schema)
+            # Planned as the queue's own connections plan it: once, generically.
+            apply_plan_settings(conn)
             conn.commit()
             params = claim_params(batch)
             times: list[float] = []
@@ -142,7 +155,8 @@ def measure(dsn: str, statements: dict[str, str], backlog: int, batch: int,
                          .format(sql.Identifier(schema)))
     filtered, buffers = plan_work(plan["Plan"])
     times.sort()
-    return SizeResult(backlog=backlog, claimed=claimed, p50_ms=statistics.median(times),
+    return SizeResult(backlog=backlog, unlimited_accounts=accounts, claimed=claimed,
+                      p50_ms=statistics.median(times),
                       p99_ms=times[min(len(times) - 1, int(len(times) * 0.99))],
                       execution_ms=float(plan["Execution Time"]), rows_filtered=filtered,
                       buffers=buffers, fill_seconds=round(fill_seconds, 2))
@@ -182,17 +196,19 @@ def claim(conn: psycopg.Connection[Any], statements: dict[str, str],
 
 def explain_analyze(conn: psycopg.Connection[Any], statement: str,
                     params: dict[str, Any]) -> dict[str, Any]:
-    """The executed plan (EXPLAIN ANALYZE, BUFFERS), its top object: "Plan", "Execution
-    Time" and the rest. The statement really runs: roll back if it writes."""
-    row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement, params).fetchone()
-    assert row is not None
-    return cast(dict[str, Any], row[0][0])
+    """The executed plan (EXPLAIN ANALYZE, BUFFERS) as the queue runs it (its generic plan),
+    its top object: "Plan", "Execution Time" and the rest. The statement really runs: roll
+    back if it writes."""
+    rows = explain_as_run(conn, statement, params, "ANALYZE, BUFFERS, FORMAT JSON")
+    return cast(dict[str, Any], rows[0][0][0])
 
 
-def _fill(conn: psycopg.Connection[Any], backlog: int) -> None:
-    """Set-based: the full account's in-flight pair and backlog, the others' due jobs."""
-    conn.execute("INSERT INTO accounts (id, concurrency_limit) "
-                 "VALUES ('full', 2), ('open', 5), ('free', NULL)")
+def _fill(conn: psycopg.Connection[Any], backlog: int, accounts: int = 1) -> None:
+    """Set-based: the full account's in-flight pair and backlog, the others' due jobs (the
+    unlimited ones `free` or, with several, `free-1` ... `free-N`)."""
+    conn.execute("INSERT INTO accounts (id, concurrency_limit) VALUES ('full', 2), ('open', 5)")
+    conn.execute("INSERT INTO accounts (id) SELECT CASE WHEN %s = 1 THEN 'free' "
+                 "ELSE 'free-' || g END FROM generate_series(1, %s) AS g", (accounts, accounts))
     conn.execute(
         "INSERT INTO jobs (id, account_id, target_url, payload, status, run_at, attempts, "
         "locked_until, lease_token) "
@@ -204,8 +220,9 @@ def _fill(conn: psycopg.Connection[Any], backlog: int) -> None:
         "SELECT gen_random_uuid(), 'full', 'http://t/', '{}'::jsonb, "
         "now() - interval '1 hour' + i * interval '1 us' FROM generate_series(1, %s) AS i "
         "UNION ALL "
-        "SELECT gen_random_uuid(), a, 'http://t/', '{}'::jsonb, now() - interval '1 minute' "
-        "FROM unnest(ARRAY['open', 'free']) AS a, generate_series(1, %s)",
+        "SELECT gen_random_uuid(), a.id, 'http://t/', '{}'::jsonb, "
+        "now() - interval '1 minute' + i * interval '1 ms' "
+        "FROM accounts AS a, generate_series(1, %s) AS i WHERE a.id <> 'full'",
         (backlog, OTHER_DUE))
     conn.execute("VACUUM ANALYZE jobs")
     conn.execute("ANALYZE accounts")

@@ -41,6 +41,7 @@ import psycopg
 from psycopg import IsolationLevel, sql
 
 from plumbing.errors import HarnessError
+from queue_impl.pg import apply_plan_settings
 from queue_impl.plugins import scrub
 from scenarios.bench_claim import (
     claim,
@@ -297,6 +298,8 @@ def measure_sizes(dsn: str, statements: dict[str, str], sizes: tuple[int, ...], 
                 for name, value in SESSION_SETTINGS.items():
                     conn.execute("SELECT set_config(%s, %s, false)", (name, value))
                 create_schema(conn, schema, statements)
+                # Planned as the queue's own connections plan it: once, generically.
+                apply_plan_settings(conn)
                 # The bloated variant measures the garbage made here, not what autovacuum left.
                 conn.execute("ALTER TABLE jobs SET (autovacuum_enabled = off)")
                 conn.execute("INSERT INTO accounts (id, concurrency_limit) "

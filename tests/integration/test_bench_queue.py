@@ -86,11 +86,12 @@ def test_bench_claim_measures_each_backlog_and_leaves_nothing(pg_dsn: str,
     out = tmp_path / "claim.json"
     parser = argparse.ArgumentParser()
     bench_claim.configure(parser)
-    args = parser.parse_args(["--backlogs", "50,500", "--repeat", "3", "--batch", "10",
-                              "--dsn", pg_dsn, "--out", str(out)])
+    args = parser.parse_args(["--backlogs", "50,500", "--accounts", "1,30", "--repeat", "3",
+                              "--batch", "10", "--dsn", pg_dsn, "--out", str(out)])
     assert bench_claim.run(args) == 0
     doc = json.loads(out.read_text())
-    assert [s["backlog"] for s in doc["sizes"]] == [50, 500]
+    assert [(s["backlog"], s["unlimited_accounts"]) for s in doc["sizes"]] == [
+        (50, 1), (50, 30), (500, 1), (500, 30)]
     for size in doc["sizes"]:
         # The other two accounts' due work fills the batch; the full account gives nothing.
         assert size["claimed"] == 10
@@ -103,7 +104,7 @@ def test_bench_claim_measures_each_backlog_and_leaves_nothing(pg_dsn: str,
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--backlogs", "10,x"), ("--backlogs", "0"),
-                                             ("--repeat", "0")])
+                                             ("--accounts", "0"), ("--repeat", "0")])
 def test_bench_claim_refuses_bad_input(flag: str, value: str, tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     bench_claim.configure(parser)
