@@ -29,11 +29,11 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from plumbing.errors import HarnessError, UsageError
 from reports.selfdescribe import describe
-from scenarios.provision import PgServer, pg_binary, postgres
+from scenarios.provision import pg_binary, postgres
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LEASE = timedelta(seconds=300)
@@ -70,6 +70,24 @@ class PhaseResult:
 # --- command line ------------------------------------------------------------------------
 
 
+# The two durability classes a comparison runs in, and what each means for each store.
+DURABILITY: Mapping[str, str] = {
+    "fsync": "each commit and each Redis write waits for its fsync",
+    "relaxed": "PostgreSQL sessions synchronous_commit=off, Redis appendfsync everysec",
+}
+
+
+def session_dsn(dsn: str, durability: str) -> str:
+    """The DSN the phases connect with: for `relaxed`, each session commits without waiting
+    for its WAL flush (the server keeps fsync on, so nothing but the last moments is lost)."""
+    if durability == "fsync":
+        return dsn
+    params = {k: str(v) for k, v in conninfo_to_dict(dsn).items() if v is not None}
+    params["options"] = " ".join(filter(None, [params.get("options"),
+                                               "-c synchronous_commit=off"]))
+    return make_conninfo(**params)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--batch", type=int, default=10, help="jobs per claim (default 10)")
@@ -84,9 +102,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f"duration, at least {PREFILL_MIN})",
     )
     parser.add_argument(
-        "--against", choices=["pgqueuer"], default=None,
+        "--against", choices=["pgqueuer", "bullmq"], default=None,
         help="also measure pgqueuer (its own QueueManager; pip install 'skiplock[pgqueuer]') "
-        "with the same workers, batch, backlog and server",
+        "on the same server, or BullMQ (its own Worker) on a Redis fsynced per write, with "
+        "the same workers, batch and backlog",
+    )
+    parser.add_argument(
+        "--durability", choices=list(DURABILITY), default="fsync",
+        help="fsync: every commit (and, for BullMQ, every Redis write) waits for its fsync "
+        "(default); relaxed: PostgreSQL sessions with synchronous_commit=off and Redis with "
+        "appendfsync everysec, both losing up to about a second of acknowledged work in an "
+        "OS crash",
+    )
+    parser.add_argument(
+        "--redis-url", default=None,
+        help="Redis for --against bullmq (default: SKIPLOCK_REDIS_URL, else Docker, else "
+        "embedded)",
     )
     parser.add_argument(
         "--dsn", default=None, help="PostgreSQL DSN (default: SKIPLOCK_PG_DSN, else embedded)"
@@ -123,6 +154,12 @@ def run(args: argparse.Namespace) -> int:
         from scenarios.bench_pgqueuer import require_pgqueuer
 
         require_pgqueuer()  # said before anything runs
+    elif against == "bullmq":
+        from scenarios.bench_bullmq import require_bullmq
+
+        require_bullmq()
+    elif getattr(args, "redis_url", None) is not None:
+        raise UsageError("--redis-url is only used with --against bullmq")
     out = args.out or Path("bench-results") / f"queue-{_stamp()}.json"
     # Refuse an unwritable --out before spending a benchmark's time.
     if out.is_dir():
@@ -141,15 +178,25 @@ def run(args: argparse.Namespace) -> int:
         )
         _say(
             f"params: workers={params.workers} batch={params.batch} "
-            f"duration={params.duration:g}s prefill={params.prefill}"
+            f"duration={params.duration:g}s prefill={params.prefill} "
+            f"durability={args.durability} ({DURABILITY[args.durability]})"
         )
-        result = measure(server, params)
-        other = None
-        if against == "pgqueuer":
-            from scenarios.bench_pgqueuer import pgqueuer_phase
+        dsn = session_dsn(server.dsn, args.durability)
+        if against == "bullmq":
+            # Reached before the PostgreSQL phases: a bad Redis URL is said at once.
+            from scenarios.provision_redis import Durability, redis_server
 
-            other = pgqueuer_phase(server.dsn, workers=params.workers, batch=params.batch,
-                                   duration=params.duration, prefill=params.prefill, say=_say)
+            fsync: Durability = "always" if args.durability == "fsync" else "everysec"
+            with redis_server(args.redis_url, durability=fsync) as redis:
+                result, other = measure(dsn, params), _bullmq(redis, params, fsync)
+        else:
+            result, other = measure(dsn, params), None
+            if against == "pgqueuer":
+                from scenarios.bench_pgqueuer import pgqueuer_phase
+
+                other = pgqueuer_phase(dsn, workers=params.workers,
+                                       batch=params.batch, duration=params.duration,
+                                       prefill=params.prefill, say=_say)
     ratio = (
         result["queue"].jobs_per_second / result["ceiling"].jobs_per_second
         if result["ceiling"].jobs_per_second > 0
@@ -159,29 +206,46 @@ def run(args: argparse.Namespace) -> int:
         "benchmark": "queue",
         "finished_at": datetime.now(UTC).isoformat(),
         "params": asdict(params),
-        "durable": settings["durable"],
-        "postgres": settings,
+        "durability": args.durability,
+        "durable": settings["durable"] and args.durability == "fsync",
+        "postgres": {**settings, "session_synchronous_commit": (
+            "off" if args.durability == "relaxed" else settings["synchronous_commit"])},
         "server": {"kind": server.kind, "dsn": server.display},
         **describe(),
         "enqueue": result["enqueue"],
         "queue": asdict(result["queue"]),
         "ceiling": asdict(result["ceiling"]),
         "ratio": ratio,
-        **({"pgqueuer": other,
-            "ratio_to_pgqueuer": (result["queue"].jobs_per_second / other["jobs_per_second"]
-                                  if other["jobs_per_second"] > 0 else None)}
-           if other else {}),
+        **({against: other,
+            f"ratio_to_{against}": (result["queue"].jobs_per_second / other["jobs_per_second"]
+                                    if other["jobs_per_second"] > 0 else None)}
+           if other and against else {}),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     _print_summary(result["queue"], result["ceiling"], ratio)
-    if other is not None:
-        _say(f"pgqueuer {other['version']} (its QueueManager): "
+    if other is not None and against is not None:
+        how = "its QueueManager" if against == "pgqueuer" else "its Worker"
+        _say(f"{against} {other['version']} ({how}): "
              f"{other['jobs_per_second']:,.0f} jobs/s, {other['jobs']} jobs"
              + (" (ran dry: raise --prefill)" if other["ran_dry"] else ""))
-        _say(f"ratio PgQueue/pgqueuer: {doc['ratio_to_pgqueuer'] or 0:.2f}")
+        _say(f"ratio PgQueue/{against}: {doc[f'ratio_to_{against}'] or 0:.2f}")
     _say(f"written: {out}")
     return 0
+
+
+def _bullmq(redis: Any, params: Params, appendfsync: str) -> dict[str, Any]:
+    from scenarios.bench_bullmq import bullmq_phase
+
+    settings = redis.settings()
+    matches = settings["appendonly"] == "yes" and settings["appendfsync"] == appendfsync
+    _say(f"redis: {redis.kind} {redis.display}, Redis {settings['redis_version']}, "
+         f"appendonly={settings['appendonly']} appendfsync={settings['appendfsync']}"
+         + ("" if matches else f"  (NOT appendfsync {appendfsync}: figures are not "
+                               "comparable)"))
+    other = bullmq_phase(redis.url, workers=params.workers, batch=params.batch,
+                         duration=params.duration, prefill=params.prefill, say=_say)
+    return {**other, "redis": {**settings, "kind": redis.kind, "url": redis.display}}
 
 
 def _say(line: str) -> None:
@@ -228,21 +292,21 @@ def _print_summary(queue: PhaseResult, ceiling: PhaseResult, ratio: float | None
 # --- the measurement ---------------------------------------------------------------------
 
 
-def measure(server: PgServer, params: Params) -> dict[str, Any]:
+def measure(dsn: str, params: Params) -> dict[str, Any]:
     """Both phases on one server, each on its own freshly prefilled schema."""
     run_id = uuid.uuid4().hex[:8]
     queue_schema = f"bench_q_{run_id}"
     ceiling_schema = f"bench_c_{run_id}"
     try:
         _say(f"prefill: {params.prefill} jobs for the PgQueue phase")
-        enqueue = prefill(server.dsn, queue_schema, params.prefill)
+        enqueue = prefill(dsn, queue_schema, params.prefill)
         _say(f"prefill: {enqueue['jobs_per_second']:,.0f} jobs/s enqueued")
-        queue = queue_phase(server.dsn, queue_schema, params)
+        queue = queue_phase(dsn, queue_schema, params)
         _say(f"prefill: {params.prefill} jobs for the pgbench phase")
-        prefill(server.dsn, ceiling_schema, params.prefill)
-        ceiling = _pgbench_phase(server.dsn, ceiling_schema, params)
+        prefill(dsn, ceiling_schema, params.prefill)
+        ceiling = _pgbench_phase(dsn, ceiling_schema, params)
     finally:
-        drop_schemas(server.dsn, [queue_schema, ceiling_schema])
+        drop_schemas(dsn, [queue_schema, ceiling_schema])
     return {"enqueue": enqueue, "queue": queue, "ceiling": ceiling}
 
 
@@ -512,8 +576,10 @@ def _pg_env(dsn: str, schema: str) -> dict[str, str]:
     for key, value in conninfo_to_dict(dsn).items():
         if key in names and value is not None:
             env[names[key]] = str(value)
-    # pgbench sessions see the schema as PgQueue's connections do.
-    env["PGOPTIONS"] = f"-c search_path={schema}"
+    # pgbench sessions see the schema as PgQueue's connections do (and the DSN's options,
+    # such as a relaxed synchronous_commit, as theirs do).
+    options = conninfo_to_dict(dsn).get("options")
+    env["PGOPTIONS"] = " ".join(filter(None, [str(options or ""), f"-c search_path={schema}"]))
     env["PGAPPNAME"] = "skiplock-bench-pgbench"
     return env
 

