@@ -298,6 +298,140 @@ def write_event(lease: Lease, outcome: Outcome, result: str, error: str | None,
             "result": result, "error": error, "started": started}
 
 
+class Deliverer:
+    """One worker's HTTP side: vet a lease's target through the SSRF guard, POST the job with
+    its identity headers under one deadline (the HTTP timeout), judge the answer, and record
+    the `http` event. The dispatcher's loop uses it, and so does a native-worker plug-in whose
+    own consumer loop calls `deliver` once per job: every backend's calls go through the same
+    guard, timeout, headers, events and failpoint (`after_success`, called with the lease of
+    each successful call, is where the dispatcher crashes on purpose)."""
+
+    def __init__(
+        self,
+        config: DispatcherConfig,
+        worker_id: str,
+        sink: EventSink,
+        *,
+        guard: UrlGuard | None = None,
+        after_success: Callable[[Lease], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self._sink = sink
+        self._guard = guard or UrlGuard(config.allow_targets)
+        self._after_success = after_success
+        self._session: aiohttp.ClientSession | None = None
+        self._resolver: PinnedResolver | None = None
+
+    async def __aenter__(self) -> Deliverer:
+        self._resolver = PinnedResolver()
+        # No DNS cache: every connection asks the pinned resolver, which knows only the
+        # address the guard vetted. One connection pool per worker, sized to its slots.
+        connector = aiohttp.TCPConnector(
+            resolver=self._resolver, use_dns_cache=False, limit=max(self.config.batch, 1)
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector, raise_for_status=False, auto_decompress=True
+        )
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    async def deliver(self, lease: Lease) -> Call:
+        """Vet and call one job's target under one deadline, the HTTP timeout, and record
+        the `http` event. Never raises (but for cancellation): anything unexpected becomes
+        this job's permanent outcome, so one bad job cannot take its batch down with it."""
+        if self._session is None or self._resolver is None:
+            raise RuntimeError("Deliverer.deliver outside `async with deliverer`")
+        session, resolver = self._session, self._resolver
+        start = time.time()
+        timeout = self.config.http_timeout_seconds
+        phase = "resolving the host name"
+        try:
+            async with asyncio.timeout(timeout) as deadline:
+                try:
+                    target = await self._guard.vet(lease.target_url)
+                except TargetRefused as exc:
+                    call = self._failed(start, "refused", Outcome.PERMANENT, str(exc))
+                except ResolutionFailed as exc:
+                    outcome = Outcome.TRANSIENT if exc.temporary else Outcome.PERMANENT
+                    call = self._failed(start, "connection_error", outcome, str(exc))
+                else:
+                    phase = "waiting for the answer"
+                    resolver.pin(target)
+                    when = deadline.when()
+                    left = timeout if when is None else when - asyncio.get_running_loop().time()
+                    call = await self._post(session, lease, start, max(left, 0.001))
+        except TimeoutError:
+            call = self._failed(
+                start,
+                "timeout",
+                Outcome.TRANSIENT,
+                f"no answer within {timeout:g}s (still {phase})",
+            )
+        except Exception as exc:
+            # Not the target's doing, and retrying would fail the same way. The known causes
+            # (a host name the IDNA codec rejects, a header carrying CR/LF) fail before
+            # anything is sent, so this is recorded as a refusal, with the error.
+            call = self._failed(
+                start,
+                "refused",
+                Outcome.PERMANENT,
+                f"cannot dispatch this job: {type(exc).__name__}: {_one_line(exc)}",
+            )
+        self._sink("http", http_event(lease, call))
+        if call.outcome is Outcome.SUCCESS and self._after_success is not None:
+            self._after_success(lease)
+        return call
+
+    @staticmethod
+    def _failed(start: float, result: HttpResultName, outcome: Outcome, error: str) -> Call:
+        """An attempt that ended without an HTTP status."""
+        return Call(
+            result=result, outcome=outcome, status=None, error=error, start=start, end=time.time()
+        )
+
+    async def _post(
+        self, session: aiohttp.ClientSession, lease: Lease, start: float, timeout_seconds: float
+    ) -> Call:
+        headers = {
+            JOB_ID_HEADER: str(lease.job_id),
+            ATTEMPT_HEADER: str(lease.attempt),
+            ACCOUNT_HEADER: lease.account_id,
+            WORKER_HEADER: self.worker_id,
+        }
+        timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        status: int | None = None
+        try:
+            async with session.post(
+                lease.target_url,
+                json=dict(lease.payload),
+                headers=headers,
+                timeout=timeout,
+                allow_redirects=False,
+            ) as response:
+                status = response.status
+                await response.read()
+        except TimeoutError:
+            return timed_out_call(start, time.time(), self.config.http_timeout_seconds)
+        except (aiohttp.ClientError, OSError) as exc:
+            if status is None:
+                return Call(
+                    result="connection_error",
+                    outcome=Outcome.TRANSIENT,
+                    status=None,
+                    error=_one_line(exc) or type(exc).__name__,
+                    start=start,
+                    end=time.time(),
+                )
+            # The status line arrived but the body did not: judge by the status.
+        assert status is not None
+        return call_for_status(status, start, time.time())
+
+
 class Dispatcher:
     """One worker's loop. Create it inside the worker process; `run()` returns after a
     graceful stop."""
@@ -317,7 +451,9 @@ class Dispatcher:
         self.config = config
         self.worker_id = worker_id
         self._sink = sink
-        self._guard = guard or UrlGuard(config.allow_targets)
+        self._deliverer = Deliverer(
+            config, worker_id, sink, guard=guard,
+            after_success=lambda lease: self._failpoint("crash_after_http", lease))
         self._rng = rng or _seeded("failpoints", config.seed, worker_id)
         self._policy = dataclasses.replace(
             config.retry_policy(), rng=_seeded("retry", config.seed, worker_id)
@@ -373,20 +509,12 @@ class Dispatcher:
 
     async def run(self) -> None:
         self.emit("start", pid=os.getpid())
-        resolver = PinnedResolver()
-        # No DNS cache: every connection asks the pinned resolver, which knows only the
-        # address the guard vetted. One connection pool per worker, sized to the batch.
-        connector = aiohttp.TCPConnector(
-            resolver=resolver, use_dns_cache=False, limit=max(self.config.batch, 1)
-        )
         try:
-            async with aiohttp.ClientSession(
-                connector=connector, raise_for_status=False, auto_decompress=True
-            ) as session:
+            async with self._deliverer:
                 if self.config.refill and not getattr(self.backend, "holds_claims", False):
-                    await self._refill_loop(session, resolver)
+                    await self._refill_loop()
                 else:
-                    await self._barrier_loop(session, resolver)
+                    await self._barrier_loop()
         except BaseException as exc:
             self._stop_reason = f"error: {type(exc).__name__}: {_one_line(exc)}"
             raise
@@ -394,9 +522,7 @@ class Dispatcher:
             self.emit("stop", reason=self._stop_reason)
             await self._reconnect()
 
-    async def _barrier_loop(
-        self, session: aiohttp.ClientSession, resolver: PinnedResolver
-    ) -> None:
+    async def _barrier_loop(self) -> None:
         """Claim a batch, run it, write all its results, claim again."""
         while not self.stopping:
             await self._maybe_recover()
@@ -409,11 +535,9 @@ class Dispatcher:
             if not leases:
                 await self._idle()
                 continue
-            await self._run_batch(session, resolver, leases, claim_sent)
+            await self._run_batch(leases, claim_sent)
 
-    async def _refill_loop(
-        self, session: aiohttp.ClientSession, resolver: PinnedResolver
-    ) -> None:
+    async def _refill_loop(self) -> None:
         """Keep up to `batch` calls in flight: claim whatever slots are free, start each
         call at once, hand each result to the writer as it ends. On stop, in-flight calls
         finish (bounded by the HTTP timeout) and every result is written before returning."""
@@ -442,7 +566,7 @@ class Dispatcher:
                 if leases is None:
                     continue
                 if leases:
-                    self._start_calls(session, resolver, leases, claim_sent)
+                    self._start_calls(leases, claim_sent)
                     if self.stopping or len(leases) == free:
                         continue
                 # Nothing (more) is due. Idle, wait for a notification; busy, for a slot to
@@ -472,13 +596,7 @@ class Dispatcher:
             for wait in waits:
                 wait.cancel()
 
-    def _start_calls(
-        self,
-        session: aiohttp.ClientSession,
-        resolver: PinnedResolver,
-        leases: list[Lease],
-        claim_sent: float,
-    ) -> None:
+    def _start_calls(self, leases: list[Lease], claim_sent: float) -> None:
         """Log the claim, then start each call (unless a stop came, or the claim took so long
         that too little of its leases is surely left: those are given back unsent)."""
         send, reason = self._log_claim(leases, claim_sent)
@@ -487,7 +605,7 @@ class Dispatcher:
             return
         for lease in leases:
             self._held[lease.lease_token] = _Held(lease=lease, granted_after=claim_sent)
-            self._spawn(self._call_and_queue(session, resolver, lease.lease_token))
+            self._spawn(self._call_and_queue(lease.lease_token))
 
     def _spawn(self, work: Any) -> None:
         """A task that holds a slot until it ends (a call, or a release)."""
@@ -510,10 +628,8 @@ class Dispatcher:
             self._failure = task.exception()
             self.request_stop(f"error: {type(self._failure).__name__}")
 
-    async def _call_and_queue(
-        self, session: aiohttp.ClientSession, resolver: PinnedResolver, token: Any
-    ) -> None:
-        call = await self._execute(session, resolver, self._held[token].lease)
+    async def _call_and_queue(self, token: Any) -> None:
+        call = await self._deliverer.deliver(self._held[token].lease)
         self._results.append((token, call))
         self._results_ready.set()
 
@@ -673,20 +789,14 @@ class Dispatcher:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
 
-    async def _run_batch(
-        self,
-        session: aiohttp.ClientSession,
-        resolver: PinnedResolver,
-        leases: list[Lease],
-        claim_sent: float,
-    ) -> None:
+    async def _run_batch(self, leases: list[Lease], claim_sent: float) -> None:
         claimed_at = time.monotonic()
         send, reason = self._log_claim(leases, claim_sent)
         if not send:
             await self._release(leases, reason=reason)
             return
         current: dict[int, Lease] = dict(enumerate(leases))
-        tasks = [asyncio.create_task(self._execute(session, resolver, lease)) for lease in leases]
+        tasks = [asyncio.create_task(self._deliverer.deliver(lease)) for lease in leases]
         written = asyncio.Event()
         renewer = None
         if self.config.renew_leases:
@@ -701,96 +811,6 @@ class Dispatcher:
                 await asyncio.gather(renewer, return_exceptions=True)
         results = [self._result(current[i], call) for i, call in enumerate(calls)]
         await self._finish(results)
-
-    async def _execute(
-        self, session: aiohttp.ClientSession, resolver: PinnedResolver, lease: Lease
-    ) -> Call:
-        """Vet and call one job's target under one deadline, the HTTP timeout. Never raises
-        (but for cancellation): anything unexpected becomes this job's permanent outcome, so
-        one bad job cannot take its batch down with it."""
-        start = time.time()
-        timeout = self.config.http_timeout_seconds
-        phase = "resolving the host name"
-        try:
-            async with asyncio.timeout(timeout) as deadline:
-                try:
-                    target = await self._guard.vet(lease.target_url)
-                except TargetRefused as exc:
-                    call = self._failed(start, "refused", Outcome.PERMANENT, str(exc))
-                except ResolutionFailed as exc:
-                    outcome = Outcome.TRANSIENT if exc.temporary else Outcome.PERMANENT
-                    call = self._failed(start, "connection_error", outcome, str(exc))
-                else:
-                    phase = "waiting for the answer"
-                    resolver.pin(target)
-                    when = deadline.when()
-                    left = timeout if when is None else when - asyncio.get_running_loop().time()
-                    call = await self._post(session, lease, start, max(left, 0.001))
-        except TimeoutError:
-            call = self._failed(
-                start,
-                "timeout",
-                Outcome.TRANSIENT,
-                f"no answer within {timeout:g}s (still {phase})",
-            )
-        except Exception as exc:
-            # Not the target's doing, and retrying would fail the same way. The known causes
-            # (a host name the IDNA codec rejects, a header carrying CR/LF) fail before
-            # anything is sent, so this is recorded as a refusal, with the error.
-            call = self._failed(
-                start,
-                "refused",
-                Outcome.PERMANENT,
-                f"cannot dispatch this job: {type(exc).__name__}: {_one_line(exc)}",
-            )
-        self.emit("http", **http_event(lease, call))
-        if call.outcome is Outcome.SUCCESS:
-            self._failpoint("crash_after_http", lease)
-        return call
-
-    @staticmethod
-    def _failed(start: float, result: HttpResultName, outcome: Outcome, error: str) -> Call:
-        """An attempt that ended without an HTTP status."""
-        return Call(
-            result=result, outcome=outcome, status=None, error=error, start=start, end=time.time()
-        )
-
-    async def _post(
-        self, session: aiohttp.ClientSession, lease: Lease, start: float, timeout_seconds: float
-    ) -> Call:
-        headers = {
-            JOB_ID_HEADER: str(lease.job_id),
-            ATTEMPT_HEADER: str(lease.attempt),
-            ACCOUNT_HEADER: lease.account_id,
-            WORKER_HEADER: self.worker_id,
-        }
-        timeout = aiohttp.ClientTimeout(total=timeout_seconds)
-        status: int | None = None
-        try:
-            async with session.post(
-                lease.target_url,
-                json=dict(lease.payload),
-                headers=headers,
-                timeout=timeout,
-                allow_redirects=False,
-            ) as response:
-                status = response.status
-                await response.read()
-        except TimeoutError:
-            return timed_out_call(start, time.time(), self.config.http_timeout_seconds)
-        except (aiohttp.ClientError, OSError) as exc:
-            if status is None:
-                return Call(
-                    result="connection_error",
-                    outcome=Outcome.TRANSIENT,
-                    status=None,
-                    error=_one_line(exc) or type(exc).__name__,
-                    start=start,
-                    end=time.time(),
-                )
-            # The status line arrived but the body did not: judge by the status.
-        assert status is not None
-        return call_for_status(status, start, time.time())
 
     def retry_delay(self, attempt: int) -> timedelta:
         """The backoff after failed attempt `attempt`, jittered by this worker's seeded draw."""
@@ -998,6 +1018,7 @@ __all__ = [
     "LEASE_TOO_SHORT",
     "BackendFactory",
     "ConfigError",
+    "Deliverer",
     "Dispatcher",
     "DispatcherConfig",
     "EventSink",

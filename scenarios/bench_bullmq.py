@@ -21,14 +21,16 @@ together.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from plumbing.errors import HarnessError, UsageError
+from plumbing.errors import UsageError
+from scenarios.bench_queue import processes_in_step
 
 QUEUE_NAME = "skiplock-bench"
 ENQUEUE_CHUNK = 1_000
-READY_TIMEOUT_SECONDS = 60.0
 # BullMQ's own default; the reference's bench jobs allow 3 attempts too.
 MAX_ATTEMPTS = 3
 
@@ -43,6 +45,29 @@ def require_bullmq() -> str:
         raise UsageError("--against bullmq needs the bullmq package: pip install bullmq"
                          ) from None
     return version("bullmq")
+
+
+@contextlib.contextmanager
+def redis_for(url: str | None, durability: str, say: Any) -> Iterator[Any]:
+    """The Redis a comparison runs on, in the class matching `durability` (`fsync`: AOF
+    fsynced per write; `relaxed`: once a second), said in one line, with a warning when a
+    server given by URL runs otherwise."""
+    from scenarios.provision_redis import Durability, redis_server
+
+    appendfsync: Durability = "always" if durability == "fsync" else "everysec"
+    with redis_server(url, durability=appendfsync) as redis:
+        found = redis.settings()
+        matches = found["appendonly"] == "yes" and found["appendfsync"] == appendfsync
+        say(f"redis: {redis.kind} {redis.display}, Redis {found['redis_version']}, "
+            f"appendonly={found['appendonly']} appendfsync={found['appendfsync']}"
+            + ("" if matches else f"  (NOT appendfsync {appendfsync}: figures are not "
+                                  "comparable)"))
+        yield redis
+
+
+def redis_record(redis: Any) -> dict[str, Any]:
+    """What a result file says of the Redis it ran on."""
+    return {**redis.settings(), "kind": redis.kind, "url": redis.display}
 
 
 def _job(n: int) -> dict[str, Any]:
@@ -97,7 +122,9 @@ async def _work(url: str, batch: int, duration: float, ready: Any, go: Any) -> N
 
 
 def _worker(url: str, batch: int, duration: float, ready: Any, go: Any) -> None:
-    asyncio.run(_work(url, batch, duration, ready, go))
+    from queue_impl.bullmq_worker import run_in_own_loop
+
+    run_in_own_loop(_work(url, batch, duration, ready, go))
 
 
 def bullmq_phase(url: str, *, workers: int, batch: int, duration: float,
@@ -113,26 +140,103 @@ def bullmq_phase(url: str, *, workers: int, batch: int, duration: float,
     go = ctx.Event()
     procs = [ctx.Process(target=_worker, args=(url, batch, duration, ready, go),
                          name=f"bullmq-{i}", daemon=True) for i in range(workers)]
-    try:
-        for proc in procs:
-            proc.start()
-        for _ in procs:
-            if not ready.acquire(timeout=READY_TIMEOUT_SECONDS):
-                raise HarnessError("a BullMQ worker did not get ready in time")
+    with processes_in_step(procs, ready, what="BullMQ", join_seconds=duration + 60):
         say(f"BullMQ: {workers} Worker processes, concurrency {batch}, {duration:g} s")
         go.set()
-        for proc in procs:
-            proc.join(timeout=duration + 60)
-        failed = [p.name for p in procs if p.exitcode != 0]
-        if failed:
-            raise HarnessError(f"BullMQ worker(s) failed: {', '.join(failed)}")
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
     counts = asyncio.run(_counts(url))
     jobs = counts.get("completed", 0)
     return {"jobs": jobs, "seconds": duration, "jobs_per_second": jobs / duration,
             "ran_dry": counts.get("waiting", 0) == 0, "failed": counts.get("failed", 0),
             "version": version, "driver": "bullmq Worker (redis-py asyncio), multiprocess fork"}
+
+
+# --- end to end: BullMQ's Worker, skiplock's delivery, the same echo target ----------------
+
+
+def _e2e_worker(url: str, config: Any, worker_id: str, events_path: str, ready: Any,
+                go: Any, duration: float) -> None:
+    from pathlib import Path
+
+    from queue_impl.bullmq_worker import run_bullmq_worker, run_in_own_loop
+    from reports.history import WORKER_LOG, LogWriter
+    from scenarios.workers import log_sink
+
+    writer = LogWriter(Path(events_path), WORKER_LOG)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        ready.release()
+        while not go.is_set():
+            await asyncio.sleep(0.005)
+        asyncio.get_running_loop().call_later(duration, stop.set)
+        await run_bullmq_worker(url, QUEUE_NAME, config, worker_id,
+                                log_sink(writer, worker_id), stop)
+
+    try:
+        run_in_own_loop(main())
+    finally:
+        writer.close()
+
+
+async def _prefill_deliveries(url: str, count: int, target_url: str,
+                              retry_base_seconds: float) -> None:
+    import uuid
+
+    from bullmq import Queue
+
+    from queue_impl.bullmq_worker import job_fields
+
+    queue = Queue(QUEUE_NAME, {"connection": url})
+    try:
+        await queue.obliterate(force=True)
+        for first in range(0, count, ENQUEUE_CHUNK):
+            await queue.addBulk([
+                job_fields(uuid.uuid4(), f"acct-{n % 8}", target_url, {"n": n}, MAX_ATTEMPTS,
+                           retry_base_seconds)
+                for n in range(first, min(count, first + ENQUEUE_CHUNK))])
+    finally:
+        await queue.close()
+
+
+def bullmq_e2e_phase(url: str, params: Any, say: Any) -> Any:
+    """`bench e2e`'s full path with BullMQ as the queue: W processes each run BullMQ's own
+    Worker (concurrency: the batch) whose processor delivers through skiplock's `Deliverer`
+    to an echo target in its own process, with the worker event logs of a run; judged by
+    the same window as the PostgreSQL phase."""
+    import tempfile
+    from pathlib import Path
+
+    import multiprocess
+
+    from chaos.target import TargetProcess
+    from queue_impl.dispatcher import DispatcherConfig
+    from scenarios.bench_e2e import judge_window, timed_window
+
+    version = require_bullmq()
+    with tempfile.TemporaryDirectory(prefix="skiplock-bench-bullmq-") as tmp:
+        events = Path(tmp) / "workers"
+        events.mkdir()
+        with TargetProcess(Path(tmp), name="target-0") as target:
+            config = DispatcherConfig(
+                batch=params.batch, lease_seconds=30.0, http_timeout_seconds=5.0,
+                write_margin_seconds=5.0, allow_targets=(f"127.0.0.1:{target.port}",),
+                seed=1)
+            say(f"prefill: {params.prefill} jobs for the BullMQ phase (bullmq {version})")
+            asyncio.run(_prefill_deliveries(url, params.prefill, target.deliver_url,
+                                            config.retry_base_seconds))
+            ctx = multiprocess.get_context("spawn")
+            ready = ctx.Semaphore(0)
+            go = ctx.Event()
+            procs = [ctx.Process(target=_e2e_worker,
+                                 args=(url, config, f"worker-{i}",
+                                       str(events / f"worker-{i}.csv"), ready, go,
+                                       params.duration),
+                                 name=f"bullmq-{i}", daemon=True)
+                     for i in range(params.workers)]
+            with processes_in_step(procs, ready, what="BullMQ", join_seconds=60):
+                say(f"BullMQ end to end: {params.workers} Worker processes, concurrency "
+                    f"{params.batch}, {params.duration:g} s")
+                go.set()
+                started, cpu_before, cpu_after = timed_window(
+                    [p.pid for p in procs], target.pid, params.duration)
+        return judge_window(events, started, params, cpu_before, cpu_after)

@@ -13,14 +13,17 @@ queue; the CPU seconds of the workers and the target over the phase say where it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -59,13 +62,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "/s of duration)")
     parser.add_argument("--barrier", action="store_true",
                         help="phase 2 with the batch barrier instead of slot refills")
+    parser.add_argument("--against", choices=["bullmq"], default=None,
+                        help="phase 3: the same path with BullMQ as the queue (its own Worker, "
+                             "skiplock's delivery, the same target)")
+    parser.add_argument("--durability", choices=list(bench_queue.DURABILITY), default="fsync",
+                        help="fsync: every commit and Redis write waits for its fsync "
+                             "(default); relaxed: synchronous_commit=off sessions and "
+                             "appendfsync everysec")
+    parser.add_argument("--redis-url", default=None,
+                        help="Redis for --against bullmq (default: SKIPLOCK_REDIS_URL, else "
+                             "Docker, else embedded)")
     parser.add_argument("--dsn", default=None,
                         help="PostgreSQL DSN (default: SKIPLOCK_PG_DSN, else embedded)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result file (default ./bench-results/e2e-TIMESTAMP.json)")
 
 
-def run(args: argparse.Namespace) -> int:
+def _validate(args: argparse.Namespace) -> tuple[bench_queue.Params, Path]:
     for name in ("workers", "batch"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name} must be a positive integer, got {getattr(args, name)}")
@@ -74,47 +87,95 @@ def run(args: argparse.Namespace) -> int:
     prefill = args.prefill or max(5_000, int(PREFILL_JOBS_PER_SECOND * args.duration))
     if prefill <= 0:
         raise UsageError(f"--prefill must be a positive integer, got {prefill}")
+    if args.against == "bullmq":
+        from scenarios.bench_bullmq import require_bullmq
+
+        require_bullmq()
+    elif args.redis_url is not None:
+        raise UsageError("--redis-url is only used with --against bullmq")
     out = args.out or Path("bench-results") / f"e2e-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
     if out.is_dir():
         raise UsageError(f"--out {out} is a directory; give a file name")
-    params = bench_queue.Params(workers=args.workers, batch=args.batch,
-                                duration=float(args.duration), prefill=prefill)
+    return bench_queue.Params(workers=args.workers, batch=args.batch,
+                              duration=float(args.duration), prefill=prefill), out
+
+
+def run(args: argparse.Namespace) -> int:
+    params, out = _validate(args)
     run_id = uuid.uuid4().hex[:8]
     schemas = [f"bench_q_{run_id}", f"bench_e_{run_id}"]
+    bullmq: dict[str, Any] | None = None
     with postgres(args.dsn, durable=True) as server:
         settings = server.settings()
         _say(f"server: {server.kind} {server.display}, PostgreSQL {settings['server_version']}"
              + ("" if settings["durable"] else "  (NOT durable: figures are not comparable)"))
         _say(f"params: workers={params.workers} batch={params.batch} "
              f"duration={params.duration:g}s prefill={params.prefill}"
-             + (" barrier" if args.barrier else ""))
-        try:
-            _say(f"phase 1, queue only: prefill {prefill} jobs")
-            bench_queue.prefill(server.dsn, schemas[0], prefill)
-            queue = bench_queue.queue_phase(server.dsn, schemas[0], params)
-            _say(f"phase 2, end to end: prefill {prefill} jobs")
-            e2e = e2e_phase(server.dsn, schemas[1], params, refill=not args.barrier)
-        finally:
-            bench_queue.drop_schemas(server.dsn, schemas)
+             + (" barrier" if args.barrier else "")
+             + f" durability={args.durability} ({bench_queue.DURABILITY[args.durability]})")
+        dsn = bench_queue.session_dsn(server.dsn, args.durability)
+        with contextlib.ExitStack() as stack:
+            redis = None
+            if args.against == "bullmq":
+                # Before the PostgreSQL phases: a bad Redis URL is said at once.
+                from scenarios.bench_bullmq import redis_for
+
+                redis = stack.enter_context(redis_for(args.redis_url, args.durability, _say))
+            try:
+                _say(f"phase 1, queue only: prefill {params.prefill} jobs")
+                bench_queue.prefill(dsn, schemas[0], params.prefill)
+                queue = bench_queue.queue_phase(dsn, schemas[0], params)
+                _say(f"phase 2, end to end: prefill {params.prefill} jobs")
+                e2e = e2e_phase(dsn, schemas[1], params, refill=not args.barrier)
+            finally:
+                bench_queue.drop_schemas(server.dsn, schemas)
+            if redis is not None:
+                from scenarios.bench_bullmq import bullmq_e2e_phase, redis_record
+
+                _say("phase 3, BullMQ end to end")
+                bullmq = {"redis": redis_record(redis),
+                          **asdict(bullmq_e2e_phase(redis.url, params, _say))}
     ratio = e2e.jobs_per_second / queue.jobs_per_second if queue.jobs_per_second else None
     doc = {"benchmark": "e2e", "finished_at": datetime.now(UTC).isoformat(),
            "params": {**asdict(params), "refill": not args.barrier},
-           "durable": settings["durable"], "postgres": settings,
+           "durability": args.durability,
+           "durable": settings["durable"] and args.durability == "fsync",
+           "postgres": {**settings, "session_synchronous_commit": (
+               "off" if args.durability == "relaxed" else settings["synchronous_commit"])},
            "server": {"kind": server.kind, "dsn": server.display}, **describe(),
            "queue": asdict(queue), "e2e": asdict(e2e), "ratio": ratio}
+    if bullmq is not None:
+        doc["bullmq"] = bullmq
+        doc["ratio_to_bullmq"] = (e2e.jobs_per_second / bullmq["jobs_per_second"]
+                                  if bullmq["jobs_per_second"] else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    _say(f"queue only : {queue.jobs_per_second:8,.0f} jobs/s  cycle p50 "
-         f"{_one_decimal(queue.cycle_p50_ms)} ms  p99 {_one_decimal(queue.cycle_p99_ms)} ms"
-         + ("  (RAN DRY: raise --prefill)" if queue.ran_dry else ""))
-    _say(f"end to end : {e2e.jobs_per_second:8,.0f} jobs/s  claim->written p50 "
-         f"{_one_decimal(e2e.job_p50_ms)} ms  p99 {_one_decimal(e2e.job_p99_ms)} ms  "
-         f"CPU s: workers {_one_decimal(e2e.worker_cpu_seconds)}, "
-         f"target {_one_decimal(e2e.target_cpu_seconds)}"
-         + ("  (RAN DRY: raise --prefill)" if e2e.ran_dry else ""))
-    _say(f"ratio end to end / queue only: {'-' if ratio is None else f'{ratio:.2f}'}")
+    _print_summary(doc)
     _say(f"written: {out}")
     return 0
+
+
+def _e2e_line(label: str, e2e: Mapping[str, Any]) -> str:
+    return (f"{label}: {e2e['jobs_per_second']:8,.0f} jobs/s  claim->written p50 "
+            f"{_one_decimal(e2e['job_p50_ms'])} ms  p99 {_one_decimal(e2e['job_p99_ms'])} ms  "
+            f"CPU s: workers {_one_decimal(e2e['worker_cpu_seconds'])}, "
+            f"target {_one_decimal(e2e['target_cpu_seconds'])}"
+            + ("  (RAN DRY: raise --prefill)" if e2e["ran_dry"] else ""))
+
+
+def _print_summary(doc: Mapping[str, Any]) -> None:
+    queue, ratio = doc["queue"], doc["ratio"]
+    _say(f"queue only : {queue['jobs_per_second']:8,.0f} jobs/s  cycle p50 "
+         f"{_one_decimal(queue['cycle_p50_ms'])} ms  p99 "
+         f"{_one_decimal(queue['cycle_p99_ms'])} ms"
+         + ("  (RAN DRY: raise --prefill)" if queue["ran_dry"] else ""))
+    _say(_e2e_line("end to end ", doc["e2e"]))
+    _say(f"ratio end to end / queue only: {'-' if ratio is None else f'{ratio:.2f}'}")
+    if "bullmq" in doc:
+        _say(_e2e_line("BullMQ e2e ", doc["bullmq"]))
+        other = doc["ratio_to_bullmq"]
+        _say(f"ratio PgQueue end to end / BullMQ end to end: "
+             f"{'-' if other is None else f'{other:.2f}'}")
 
 
 def e2e_phase(dsn: str, schema: str, params: bench_queue.Params, *,
@@ -137,18 +198,36 @@ def e2e_phase(dsn: str, schema: str, params: bench_queue.Params, *,
                               params.workers, events)
             try:
                 pool.start()
-                started = time.time()
-                cpu_before = _cpu(list(pool.pids)), _cpu([target.pid])
-                deadline = started + params.duration
-                while (now := time.time()) < deadline:
-                    time.sleep(min(1.0, deadline - now))
-                    _say(f"  {time.time() - started:4.0f} s")
-                cpu_after = _cpu(list(pool.pids)), _cpu([target.pid])
+                started, cpu_before, cpu_after = timed_window(
+                    list(pool.pids), target.pid, params.duration)
             finally:
                 pool.stop()
-        ended = started + params.duration
-        frames = [pd.read_csv(path, usecols=["kind", "time", "job_id"])
-                  for path in sorted(events.glob("*.csv"))]
+        return judge_window(events, started, params, cpu_before, cpu_after)
+
+
+Cpu = tuple[float | None, float | None]
+
+
+def timed_window(worker_pids: list[int | None], target_pid: int | None,
+                 duration: float) -> tuple[float, Cpu, Cpu]:
+    """Wait out one phase's window, saying each second; (when it started, the CPU seconds
+    of (workers, target) at its start, and at its end)."""
+    started = time.time()
+    cpu_before = _cpu(worker_pids), _cpu([target_pid])
+    deadline = started + duration
+    while (now := time.time()) < deadline:
+        time.sleep(min(1.0, deadline - now))
+        _say(f"  {time.time() - started:4.0f} s")
+    return started, cpu_before, (_cpu(worker_pids), _cpu([target_pid]))
+
+
+def judge_window(events: Path, started: float, params: bench_queue.Params,
+                 cpu_before: Cpu, cpu_after: Cpu) -> E2eResult:
+    """The jobs whose result was written in [started, started + duration), and their claim
+    to write latency, from the worker event logs in `events`; CPU as (workers, target)."""
+    ended = started + params.duration
+    frames = [pd.read_csv(path, usecols=["kind", "time", "job_id"])
+              for path in sorted(events.glob("*.csv"))]
     if not frames:
         raise HarnessError("no worker event log was written")
     ev = pd.concat(frames, ignore_index=True)

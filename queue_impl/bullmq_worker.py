@@ -1,0 +1,155 @@
+"""BullMQ as its users deploy it: BullMQ's own `Worker` loop, with skiplock's delivery inside.
+
+The consumer loop is the library's (fetch a job under a lock, extend locks while it runs, move
+it to completed or failed, check for stalled jobs); skiplock only supplies the processor, which
+turns the job into a `Lease` and hands it to the same `Deliverer` the dispatcher uses, so the
+HTTP call goes through the same SSRF guard, timeout, identity headers and `http` event. The
+worker events are the dispatcher's (`claim` when the processor starts, `http`, `write` when
+BullMQ reports the job completed or failed), so a history reads the same whichever loop ran.
+
+How BullMQ's notions map onto the reference's:
+- lease: the job's lock (`lockDuration`, the config's lease), renewed by the worker every half
+  lock as the dispatcher renews; recovery: BullMQ's stalled-job check (`stalledInterval`, the
+  config's recovery interval), which moves a job whose lock expired back to wait;
+- attempt: `attemptsMade + 1` when the processor starts; max attempts: the job's `attempts`;
+- outcome: success returns; a permanent failure raises `UnrecoverableError` (BullMQ's dead
+  letter: the failed set, no retry); a transient one raises, and BullMQ retries with the
+  backoff the job was added with (`backoff_option`: exponential from the retry base);
+- lease token: BullMQ's lock token (`<worker id>:<n>`), as a UUID derived from it, so each
+  pick of a job has its own identity in the history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import sys
+import time
+import uuid
+from collections.abc import Coroutine, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from queue_impl.dispatcher import (
+    Deliverer,
+    DispatcherConfig,
+    EventSink,
+    claim_event,
+    write_event,
+)
+from queue_impl.interface import Lease, Outcome
+
+# Lock tokens are not UUIDs; this namespace turns each into one, the same in every process.
+_TOKEN_NAMESPACE = uuid.UUID("5b0f5c1e-6a43-4a53-9a56-8f3d1a8e7c21")
+
+
+class TransientFailure(Exception):
+    """A failed call worth retrying: BullMQ retries the job with its backoff."""
+
+
+def job_fields(job_id: uuid.UUID, account_id: str, target_url: str,
+               payload: Mapping[str, Any], max_attempts: int,
+               retry_base_seconds: float) -> dict[str, Any]:
+    """One job as `Queue.add`/`addBulk` take it: the reference's fields as its data, its id
+    as BullMQ's job id, its attempts and backoff as BullMQ's options."""
+    return {"name": "deliver",
+            "data": {"account_id": account_id, "target_url": target_url,
+                     "payload": dict(payload)},
+            "opts": {"jobId": str(job_id), "attempts": max_attempts,
+                     **backoff_option(retry_base_seconds)}}
+
+
+def backoff_option(retry_base_seconds: float) -> dict[str, Any]:
+    """BullMQ's exponential backoff waits base * 2^(attempts made - 1), as the reference's
+    does without its jitter and cap (BullMQ has neither)."""
+    return {"backoff": {"type": "exponential", "delay": round(retry_base_seconds * 1000)}}
+
+
+def lease_of(job: Any, token: str, config: DispatcherConfig, worker_id: str) -> Lease:
+    data = job.data
+    return Lease(
+        job_id=uuid.UUID(str(job.id)),
+        account_id=str(data.get("account_id", "")),
+        target_url=str(data["target_url"]),
+        payload=data.get("payload") or {},
+        attempt=int(job.attemptsMade) + 1,
+        max_attempts=int(job.opts.get("attempts", 1)),
+        lease_token=uuid.uuid5(_TOKEN_NAMESPACE, token),
+        locked_until=datetime.now(UTC) + timedelta(seconds=config.lease_seconds),
+        worker_id=worker_id,
+    )
+
+
+async def run_bullmq_worker(url: str, queue_name: str, config: DispatcherConfig,
+                            worker_id: str, sink: EventSink, stop: asyncio.Event) -> None:
+    """Run one BullMQ `Worker` (concurrency: the config's batch) until `stop` is set, then
+    close it: it stops fetching, and the jobs it holds finish and are written first."""
+    from bullmq import UnrecoverableError, Worker
+
+    config.validate()
+    # Keyed by the Job object: BullMQ reports a job's end with the very object its processor
+    # got (its `token` and `attemptsMade` may have changed by then).
+    running: dict[int, tuple[Lease, Outcome, str | None, float]] = {}
+
+    async with Deliverer(config, worker_id, sink) as deliverer:
+        async def process(job: Any, token: str) -> None:
+            lease = lease_of(job, token, config, worker_id)
+            sink("claim", claim_event(lease))
+            call = await deliverer.deliver(lease)
+            running[id(job)] = (lease, call.outcome, call.error, time.time())
+            if call.outcome is Outcome.SUCCESS:
+                return None
+            if call.outcome is Outcome.PERMANENT:
+                raise UnrecoverableError(call.error or "permanent failure")
+            raise TransientFailure(call.error or "transient failure")
+
+        def ended(job: Any, *_: Any) -> None:
+            found = running.pop(id(job), None)
+            if found is not None:
+                lease, outcome, error, started = found
+                sink("write", write_event(lease, outcome, "applied", error, started))
+
+        worker = Worker(queue_name, process, {
+            "connection": url, "concurrency": config.batch, "autorun": False,
+            "lockDuration": round(config.lease_seconds * 1000),
+            "stalledInterval": round(config.recovery_interval_seconds * 1000),
+            "name": worker_id})
+        worker.on("completed", ended)
+        worker.on("failed", ended)
+        sink("start", {"pid": os.getpid()})
+        loop = asyncio.ensure_future(worker.run())
+        try:
+            await stop.wait()
+        finally:
+            await worker.close()
+            await loop
+            sink("stop", {"reason": "stopped"})
+
+
+def run_in_own_loop(main: Coroutine[Any, Any, None]) -> None:
+    """`asyncio.run` for a process that runs BullMQ. Some of its Redis clients are still
+    connected when `Worker.close` returns (a blocking fetch or a timer caught mid-command);
+    finalized after the loop closed, each would print "Event loop is closed" from
+    `Redis.__del__`, a traceback about a socket the process is done with anyway. Leftover
+    tasks are cancelled while the loop runs, and that one finalizer error is not printed;
+    every other unraisable error still is."""
+    default_hook = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if (isinstance(unraisable.exc_value, RuntimeError)
+                and str(unraisable.exc_value) == "Event loop is closed"
+                and "redis" in getattr(unraisable.object, "__module__", "")):
+            return
+        default_hook(unraisable)
+
+    async def then_collect() -> None:
+        await main
+        left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        gc.collect()
+
+    sys.unraisablehook = hook
+    asyncio.run(then_collect())

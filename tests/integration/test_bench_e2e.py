@@ -1,0 +1,42 @@
+"""`skiplock bench e2e` for a second per phase, BullMQ's phase included: it runs, describes
+itself and leaves nothing behind. Speed is measured by the command, never asserted here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from scenarios import bench_e2e
+
+pytestmark = pytest.mark.integration
+
+
+def test_bench_e2e_against_bullmq_relaxed_runs_all_three_phases(
+        pg_dsn: str, tmp_path: Path, embedded_redis_only: None) -> None:
+    out = tmp_path / "e2e.json"
+    parser = argparse.ArgumentParser()
+    bench_e2e.configure(parser)
+    args = parser.parse_args(["--workers", "2", "--batch", "5", "--duration", "1",
+                              "--prefill", "2000", "--against", "bullmq",
+                              "--durability", "relaxed", "--dsn", pg_dsn, "--out", str(out)])
+    assert bench_e2e.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["durability"] == "relaxed" and doc["durable"] is False
+    assert doc["postgres"]["session_synchronous_commit"] == "off"
+    for phase in ("e2e", "bullmq"):
+        assert 0 < doc[phase]["jobs"] <= 2000, phase
+        assert 0 < doc[phase]["job_p50_ms"] <= doc[phase]["job_p99_ms"], phase
+    assert doc["bullmq"]["redis"]["appendfsync"] == "everysec"
+    assert doc["ratio_to_bullmq"] == pytest.approx(
+        doc["e2e"]["jobs_per_second"] / doc["bullmq"]["jobs_per_second"])
+    assert doc["ratio"] == pytest.approx(
+        doc["e2e"]["jobs_per_second"] / doc["queue"]["jobs_per_second"])
+    # Nothing left: schemas, Redis's folder, its process.
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'bench\\_%'").fetchone()
+    assert row == (0,)
