@@ -11,7 +11,11 @@ How BullMQ's notions map onto the reference's:
 - lease: the job's lock (`lockDuration`, the config's lease), renewed by the worker every half
   lock as the dispatcher renews; recovery: BullMQ's stalled-job check (`stalledInterval`, the
   config's recovery interval), which moves a job whose lock expired back to wait;
-- attempt: `attemptsMade + 1` when the processor starts; max attempts: the job's `attempts`;
+- attempt: BullMQ's `attemptsStarted` when the processor starts (every pick counts, a pick
+  after a stall included, as every claim does in the reference); max attempts: the job's
+  `attempts`, which BullMQ counts in *finished* attempts (`attemptsMade`): a pick that
+  stalled is not counted against it, and after `maxStalledCount` stalls (1) BullMQ fails the
+  job without running the processor, so no worker event records that end;
 - outcome: success returns; a permanent failure raises `UnrecoverableError` (BullMQ's dead
   letter: the failed set, no retry); a transient one raises, and BullMQ retries with the
   backoff the job was added with (`backoff_option`: exponential from the retry base);
@@ -73,7 +77,9 @@ def lease_of(job: Any, token: str, config: DispatcherConfig, worker_id: str) -> 
         account_id=str(data.get("account_id", "")),
         target_url=str(data["target_url"]),
         payload=data.get("payload") or {},
-        attempt=int(job.attemptsMade) + 1,
+        # moveToActive counts the pick before the job is read (`ats`); a job stored by an
+        # older BullMQ has none, and its finished attempts + 1 is the best known.
+        attempt=int(getattr(job, "attemptsStarted", 0) or 0) or int(job.attemptsMade) + 1,
         max_attempts=int(job.opts.get("attempts", 1)),
         lease_token=uuid.uuid5(_TOKEN_NAMESPACE, token),
         locked_until=datetime.now(UTC) + timedelta(seconds=config.lease_seconds),
@@ -110,6 +116,18 @@ async def run_bullmq_worker(url: str, queue_name: str, config: DispatcherConfig,
                 lease, outcome, error, started = found
                 sink("write", write_event(lease, outcome, "applied", error, started))
 
+        def failed_to_write(err: Any, job: Any = None) -> None:
+            # BullMQ could not move the job on (its lock was gone, Redis failed): the write
+            # may or may not have happened, as a dispatcher's failed write is unknown. Without
+            # a job it is the loop's own error (a fetch, a lock extension, the stall check).
+            text = " ".join(str(err).split()) or type(err).__name__
+            found = running.pop(id(job), None) if job is not None else None
+            if found is not None:
+                lease, outcome, _, started = found
+                sink("write", write_event(lease, outcome, "info", text, started))
+            else:
+                sink("error", {"op": "bullmq", "error": f"{type(err).__name__}: {text}"})
+
         worker = Worker(queue_name, process, {
             "connection": url, "concurrency": config.batch, "autorun": False,
             "lockDuration": round(config.lease_seconds * 1000),
@@ -117,14 +135,38 @@ async def run_bullmq_worker(url: str, queue_name: str, config: DispatcherConfig,
             "name": worker_id})
         worker.on("completed", ended)
         worker.on("failed", ended)
+        worker.on("error", failed_to_write)
         sink("start", {"pid": os.getpid()})
-        loop = asyncio.ensure_future(worker.run())
+        await run_until(worker, stop, sink)
+
+
+async def run_until(worker: Any, stop: asyncio.Event, sink: EventSink) -> None:
+    """Run `worker` until `stop`; then close it (it stops fetching, and the jobs it holds
+    finish and are written). A loop that ends by itself first (BullMQ's loop returns on an
+    error it only prints) is an error, raised once the worker is closed. The `stop` event
+    says why, whatever happened."""
+    reason = "stopped"
+    loop = asyncio.ensure_future(worker.run())
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({loop, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if loop.done():
+            failure = loop.exception() or RuntimeError(
+                "BullMQ's worker loop ended before it was stopped")
+            reason = f"error: {type(failure).__name__}: {' '.join(str(failure).split())}"
+            raise failure
+    except BaseException as exc:
+        if reason == "stopped":
+            reason = f"error: {type(exc).__name__}"
+        raise
+    finally:
+        stopping.cancel()
         try:
-            await stop.wait()
-        finally:
             await worker.close()
-            await loop
-            sink("stop", {"reason": "stopped"})
+            if not loop.done():
+                await loop
+        finally:
+            sink("stop", {"reason": reason})
 
 
 def run_in_own_loop(main: Coroutine[Any, Any, None]) -> None:

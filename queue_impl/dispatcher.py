@@ -324,6 +324,8 @@ class Deliverer:
         self._resolver: PinnedResolver | None = None
 
     async def __aenter__(self) -> Deliverer:
+        if self._session is not None:
+            raise RuntimeError("a Deliverer is entered once at a time")
         self._resolver = PinnedResolver()
         # No DNS cache: every connection asks the pinned resolver, which knows only the
         # address the guard vetted. One connection pool per worker, sized to its slots.

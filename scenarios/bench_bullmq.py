@@ -106,6 +106,8 @@ async def _counts(url: str) -> dict[str, int]:
 async def _work(url: str, batch: int, duration: float, ready: Any, go: Any) -> None:
     from bullmq import Worker
 
+    from queue_impl.bullmq_worker import run_until
+
     async def process(_job: Any, _token: str) -> None:
         return None
 
@@ -114,11 +116,10 @@ async def _work(url: str, batch: int, duration: float, ready: Any, go: Any) -> N
     ready.release()
     while not go.is_set():
         await asyncio.sleep(0.005)
-    running = asyncio.ensure_future(worker.run())
-    await asyncio.sleep(duration)
-    # Stops fetching, waits for the jobs it holds to be completed.
-    await worker.close()
-    await running
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(duration, stop.set)
+    # No event log in the queue-only phase: there is nothing of a run to judge.
+    await run_until(worker, stop, lambda _kind, _fields: None)
 
 
 def _worker(url: str, batch: int, duration: float, ready: Any, go: Any) -> None:

@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     doc = {"benchmark": "e2e", "finished_at": datetime.now(UTC).isoformat(),
            "params": {**asdict(params), "refill": not args.barrier},
            "durability": args.durability,
-           "durable": settings["durable"] and args.durability == "fsync",
+           "durable": (settings["durable"] and args.durability == "fsync"
+                       and (bullmq is None or bool(bullmq["redis"]["durable"]))),
            "postgres": {**settings, "session_synchronous_commit": (
                "off" if args.durability == "relaxed" else settings["synchronous_commit"])},
            "server": {"kind": server.kind, "dsn": server.display}, **describe(),

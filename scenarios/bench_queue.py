@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         from scenarios.bench_bullmq import require_bullmq
 
         require_bullmq()
-    elif getattr(args, "redis_url", None) is not None:
+    if getattr(args, "redis_url", None) is not None and against != "bullmq":
         raise UsageError("--redis-url is only used with --against bullmq")
     out = args.out or Path("bench-results") / f"queue-{_stamp()}.json"
     # Refuse an unwritable --out before spending a benchmark's time.
@@ -213,7 +213,9 @@ def run(args: argparse.Namespace) -> int:
         "finished_at": datetime.now(UTC).isoformat(),
         "params": asdict(params),
         "durability": args.durability,
-        "durable": settings["durable"] and args.durability == "fsync",
+        # Durable only if every store measured was: a Redis given by URL may run relaxed.
+        "durable": (settings["durable"] and args.durability == "fsync"
+                    and (against != "bullmq" or bool(other and other["redis"]["durable"]))),
         "postgres": {**settings, "session_synchronous_commit": (
             "off" if args.durability == "relaxed" else settings["synchronous_commit"])},
         "server": {"kind": server.kind, "dsn": server.display},

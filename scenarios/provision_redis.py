@@ -29,11 +29,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from plumbing.errors import HarnessError, UsageError
 from plumbing.orphans import FolderRemover, die_with_parent, start_folder_remover
-from scenarios.provision import _cleanup_on_sigterm, _free_port, _on_main_thread, docker_answers
+from scenarios.provision import (
+    OWNER_FILE,
+    _cleanup_on_sigterm,
+    _free_port,
+    _on_main_thread,
+    _pid_alive,
+    _read_pid,
+    docker_answers,
+)
 
 REDIS_URL_ENV = "SKIPLOCK_REDIS_URL"
 Durability = Literal["always", "everysec", "off"]
@@ -48,18 +56,39 @@ DATA_PREFIX = "skiplock-redis-"
 
 
 def redact_url(url: str) -> str:
-    """The URL without its password (or a lone user name, which may be a token)."""
+    """The URL without its password (or a lone user name, which may be a token), in the
+    authority or in the query (`?password=...`, which redis-py reads too)."""
     try:
         parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = f":{parts.port}" if parts.port else ""
+        parts.port  # noqa: B018  (raises ValueError on a port that is not a number)
     except ValueError:
         return "<a Redis URL that cannot be parsed>"
-    if parts.password is None and parts.username is None:
-        return url
-    user = parts.username if parts.password is not None and parts.username else ""
-    netloc = f"{user}:***@{host}{port}" if user else f"***@{host}{port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{unquote(user)}:***@{hostport}" if colon and user else f"***@{hostport}"
+    query = "&".join(
+        f"{key}=***" if _secret(key) else f"{key}={value}" if sep else key
+        for key, sep, value in (item.partition("=") for item in parts.query.split("&") if item))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _secrets(url: str) -> list[str]:
+    """The password-like values in `url`, to cut out of any text that quotes them."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return []
+    found = [parts.password or ""]
+    found += [unquote(value) for key, _, value in
+              (item.partition("=") for item in parts.query.split("&")) if _secret(key)]
+    return [secret for secret in found if secret]
+
+
+def _secret(key: str) -> bool:
+    key = unquote(key).lower()
+    return any(word in key for word in ("pass", "secret", "token", "auth"))
 
 
 def durability_args(durability: Durability) -> list[str]:
@@ -87,22 +116,55 @@ class RedisServer:
         return redis.Redis.from_url(self.url, socket_connect_timeout=CONNECT_TIMEOUT_SECONDS)
 
     def settings(self) -> dict[str, Any]:
-        """What the server runs with, for result files: version, AOF and fsync policy, and
-        `durable` (an AOF fsynced before each reply)."""
+        """What the server runs with, for result files: version, AOF and fsync policy, where
+        an embedded server keeps its AOF, and `durable` (an AOF fsynced before each reply,
+        on a file system that is not memory). A server that refuses CONFIG reports its
+        policy as unknown, and is not called durable."""
+        import redis
+
         client = self.client()
         try:
             info = client.info("server")
             config: dict[str, Any] = {}
             for name in ("appendonly", "appendfsync", "save"):
-                config.update({k: _text(v) for k, v in client.config_get(name).items()})
+                try:
+                    config.update({k: _text(v) for k, v in client.config_get(name).items()})
+                except redis.ResponseError:
+                    config[name] = "unknown (CONFIG refused)"
         finally:
             client.close()
         appendonly = config.get("appendonly", "")
         appendfsync = config.get("appendfsync", "")
+        filesystem = (filesystem_of(self._control.root)
+                      if isinstance(self._control, _Embedded) else "unknown")
         return {"redis_version": _text(info.get("redis_version", "")),
                 "appendonly": appendonly, "appendfsync": appendfsync,
-                "save": config.get("save", ""),
-                "durable": appendonly == "yes" and appendfsync == "always"}
+                "save": config.get("save", ""), "data_filesystem": filesystem,
+                "durable": (appendonly == "yes" and appendfsync == "always"
+                            and filesystem not in MEMORY_FILESYSTEMS)}
+
+
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the file system `path` is on (Linux: the longest mount point in
+    /proc/mounts that holds it), or "unknown"."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    resolved = str(path.resolve())
+    best, kind = "", "unknown"
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
 
 
 def _text(value: Any) -> str:
@@ -129,6 +191,8 @@ def check_reachable(url: str) -> None:
             client.close()
     except (redis.RedisError, ValueError, OSError) as exc:
         reason = " ".join(str(exc).split()).replace(url, redact_url(url))
+        for secret in _secrets(url):
+            reason = reason.replace(secret, "***")
         raise UsageError(f"cannot reach Redis at {redact_url(url)}: {reason}; "
                          f"check --redis-url / {REDIS_URL_ENV}") from None
 
@@ -145,6 +209,19 @@ def redis_server_binary() -> Path:
     return path
 
 
+def _sweep_stale(tmp: Path) -> None:
+    """Remove folders left by a harness that was SIGKILLed together with its remover: both
+    the harness and the server recorded there are gone."""
+    for root in tmp.glob(f"{DATA_PREFIX}*"):
+        owner = _read_pid(root / OWNER_FILE)
+        if owner is None or _pid_alive(owner):
+            continue
+        server = _read_pid(root / "redis.pid")
+        if server is not None and _pid_alive(server):
+            continue
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def _server_dies_with_harness() -> None:
     die_with_parent(signum=signal.SIGKILL)
 
@@ -154,7 +231,9 @@ class _Embedded:
 
     def __init__(self, durability: Durability) -> None:
         self.binary = redis_server_binary()
+        _sweep_stale(Path(tempfile.gettempdir()))
         self.root = Path(tempfile.mkdtemp(prefix=DATA_PREFIX))
+        (self.root / OWNER_FILE).write_text(str(os.getpid()))
         self.pid_file = self.root / "redis.pid"
         self.remover: FolderRemover | None = start_folder_remover(self.root, self.pid_file)
         self.log_path = self.root / "redis.log"
@@ -233,10 +312,12 @@ class _Embedded:
         try:
             self._stop()
         finally:
-            shutil.rmtree(self.root, ignore_errors=True)
+            # The remover first: should the stop have failed, it still finds the pid file and
+            # stops what is left of the server before it removes the folder.
             remover, self.remover = self.remover, None
             if remover is not None:
                 remover.close()
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 class _Docker:

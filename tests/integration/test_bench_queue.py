@@ -117,6 +117,10 @@ def _bench_cli(*argv: str) -> subprocess.CompletedProcess[str]:
     (["--against", "bullmq", "--redis-url", "http://127.0.0.1:6379"],
      "is not redis://HOST:PORT/DB"),
     (["--redis-url", "redis://127.0.0.1:6379/0"], "only used with --against bullmq"),
+    (["--against", "pgqueuer", "--redis-url", "redis://127.0.0.1:6379/0"],
+     "only used with --against bullmq"),
+    (["--against", "bullmq", "--redis-url", "redis://127.0.0.1:1/0?password=s3cret"],
+     "cannot reach Redis at redis://127.0.0.1:1/0?password=***"),
 ])
 def test_a_bad_redis_setting_is_one_line_and_exit_2(pg_dsn: str, tmp_path: Path,
                                                     argv: list[str], needle: str) -> None:
