@@ -12,6 +12,10 @@ from scenarios.provision_redis import durability_args, redact_url
     ("redis://:s3cret@host:6379/0", "redis://***@host:6379/0"),
     ("redis://user:s3cret@host:6379/1", "redis://user:***@host:6379/1"),
     ("rediss://token@host/0", "rediss://***@host/0"),
+    ("redis://127.0.0.1:6379/0?password=s3cret", "redis://127.0.0.1:6379/0?password=***"),
+    ("redis://h/0?socket_timeout=2&Password=s3cret", "redis://h/0?socket_timeout=2&Password=***"),
+    ("redis://[::1]:6379/0", "redis://[::1]:6379/0"),
+    ("redis://:s3cret@[::1]:6379/0", "redis://***@[::1]:6379/0"),
 ])
 def test_a_url_is_shown_without_its_secret(url: str, shown: str) -> None:
     assert redact_url(url) == shown
@@ -27,15 +31,6 @@ def test_always_fsyncs_every_write_and_off_keeps_nothing() -> None:
     assert durability_args("everysec")[3] == "everysec"
     assert durability_args("off") == ["--appendonly", "no", "--save", ""]
 
-
-@pytest.mark.parametrize(("url", "shown"), [
-    ("redis://127.0.0.1:6379/0?password=s3cret", "redis://127.0.0.1:6379/0?password=***"),
-    ("redis://h/0?socket_timeout=2&Password=s3cret", "redis://h/0?socket_timeout=2&Password=***"),
-    ("redis://[::1]:6379/0", "redis://[::1]:6379/0"),
-    ("redis://:s3cret@[::1]:6379/0", "redis://***@[::1]:6379/0"),
-])
-def test_a_password_in_the_query_or_beside_an_ipv6_host_is_hidden(url: str, shown: str) -> None:
-    assert redact_url(url) == shown
 
 
 def test_the_attempt_counts_every_pick_as_bullmq_records_it() -> None:
