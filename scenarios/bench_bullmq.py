@@ -24,10 +24,10 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from plumbing.errors import UsageError
-from scenarios.bench_queue import processes_in_step
+from scenarios.bench_queue import processes_in_step, say_progress
 
 QUEUE_NAME = "skiplock-bench"
 ENQUEUE_CHUNK = 1_000
@@ -122,6 +122,27 @@ async def _work(url: str, batch: int, duration: float, ready: Any, go: Any) -> N
     await run_until(worker, stop, lambda _kind, _fields: None)
 
 
+class _CompletedCounter:
+    """BullMQ's completed count for the progress line: one ZCARD, O(1) in Redis."""
+
+    def __init__(self, url: str) -> None:
+        import redis
+
+        self._client = redis.Redis.from_url(url, socket_timeout=1.0)
+        self._key = f"bull:{QUEUE_NAME}:completed"
+
+    def __call__(self) -> int | None:
+        import redis
+
+        try:
+            return int(cast(int, self._client.zcard(self._key)))
+        except redis.RedisError:
+            return None
+
+    def close(self) -> None:
+        self._client.close()
+
+
 def _worker(url: str, batch: int, duration: float, ready: Any, go: Any) -> None:
     from queue_impl.bullmq_worker import run_in_own_loop
 
@@ -144,6 +165,11 @@ def bullmq_phase(url: str, *, workers: int, batch: int, duration: float,
     with processes_in_step(procs, ready, what="BullMQ", join_seconds=duration + 60):
         say(f"BullMQ: {workers} Worker processes, concurrency {batch}, {duration:g} s")
         go.set()
+        completed = _CompletedCounter(url)
+        try:
+            say_progress(procs, duration, completed, say)
+        finally:
+            completed.close()
     counts = asyncio.run(_counts(url))
     jobs = counts.get("completed", 0)
     return {"jobs": jobs, "seconds": duration, "jobs_per_second": jobs / duration,

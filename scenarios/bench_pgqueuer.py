@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 
 from plumbing.errors import UsageError
-from scenarios.bench_queue import processes_in_step
+from scenarios.bench_queue import processes_in_step, say_progress
 from scenarios.provision import fresh_database
 
 ENTRYPOINT = "skiplock_bench"
@@ -96,6 +96,26 @@ def _worker(dsn: str, batch: int, duration: float, ready: Any, go: Any) -> None:
     asyncio.run(_work(dsn, batch, duration, ready, go))
 
 
+class _DoneCounter:
+    """Jobs gone from pgqueuer's table so far, for the progress line, from the statistics
+    counters (flushed about once a second) on one connection: never a count(*) of the
+    table being measured."""
+
+    def __init__(self, dsn: str) -> None:
+        self._conn = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
+
+    def __call__(self) -> int | None:
+        try:
+            row = self._conn.execute("SELECT n_tup_del FROM pg_stat_user_tables "
+                                     "WHERE relname = 'pgqueuer'").fetchone()
+        except psycopg.Error:
+            return None
+        return int(row[0]) if row else None
+
+    def close(self) -> None:
+        self._conn.close()
+
+
 def _queued(dsn: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute("SELECT count(*) FROM pgqueuer").fetchone()
@@ -120,6 +140,11 @@ def pgqueuer_phase(dsn: str, *, workers: int, batch: int, duration: float,
             say(f"pgqueuer: {workers} QueueManager processes, {duration:g} s")
             before = _queued(own)
             go.set()
+            done = _DoneCounter(own)
+            try:
+                say_progress(procs, duration, done, say)
+            finally:
+                done.close()
         left = _queued(own)
     jobs = before - left
     return {"jobs": jobs, "seconds": duration, "jobs_per_second": jobs / duration,

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -240,6 +240,22 @@ def run(args: argparse.Namespace) -> int:
         _say(f"ratio PgQueue/{against}: {doc[f'ratio_to_{against}'] or 0:.2f}")
     _say(f"written: {out}")
     return 0
+
+
+def say_progress(procs: Sequence[Any], duration: float, count: Callable[[], int | None],
+                 say: Callable[[str], None]) -> None:
+    """Until `procs` end, once a second of the `duration` window, the jobs `count` says are
+    done (a cheap counter: never a scan of the table being measured)."""
+    from multiprocess.connection import wait
+
+    started = shown = time.monotonic()
+    while alive := [proc for proc in procs if proc.is_alive()]:
+        wait([proc.sentinel for proc in alive], timeout=1.0)
+        now = time.monotonic()
+        if now - shown >= 1.0 and now - started <= duration + 0.5:
+            shown = now
+            done = count()
+            say(f"  {now - started:4.0f} s  " + ("" if done is None else f"{done:>9,} jobs"))
 
 
 @contextlib.contextmanager
