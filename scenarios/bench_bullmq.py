@@ -184,10 +184,12 @@ def _e2e_worker(url: str, config: Any, worker_id: str, events_path: str, ready: 
                 go: Any, duration: float) -> None:
     from pathlib import Path
 
+    from plumbing.orphans import name_this_process
     from queue_impl.bullmq_worker import run_bullmq_worker, run_in_own_loop
     from reports.history import WORKER_LOG, LogWriter
     from scenarios.workers import log_sink
 
+    name_this_process("skiplock-worker")
     writer = LogWriter(Path(events_path), WORKER_LOG)
 
     async def main() -> None:
@@ -264,6 +266,5 @@ def bullmq_e2e_phase(url: str, params: Any, say: Any) -> Any:
                 say(f"BullMQ end to end: {params.workers} Worker processes, concurrency "
                     f"{params.batch}, {params.duration:g} s")
                 go.set()
-                started, cpu_before, cpu_after = timed_window(
-                    [p.pid for p in procs], target.pid, params.duration)
-        return judge_window(events, started, params, cpu_before, cpu_after)
+                window = timed_window([p.pid for p in procs], target.pid, params.duration)
+        return judge_window(events, window, params)

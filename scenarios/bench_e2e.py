@@ -31,6 +31,7 @@ from chaos.bench_target import cpu_seconds
 from plumbing.errors import HarnessError, UsageError
 from reports.selfdescribe import describe
 from scenarios import bench_queue
+from scenarios.cpu import CpuWindow
 from scenarios.provision import postgres
 
 DEFAULT_DURATION = 10.0
@@ -49,6 +50,11 @@ class E2eResult:
     ran_dry: bool
     worker_cpu_seconds: float | None
     target_cpu_seconds: float | None
+    # The PostgreSQL and Redis processes on this machine (None: none seen, a remote server),
+    # and the share of the machine's CPU time that was busy, over the same window.
+    server_cpu_seconds: float | None = None
+    redis_cpu_seconds: float | None = None
+    machine_busy: float | None = None
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -164,6 +170,19 @@ def _e2e_line(label: str, e2e: Mapping[str, Any]) -> str:
             + ("  (RAN DRY: raise --prefill)" if e2e["ran_dry"] else ""))
 
 
+def _cpu_per_job(e2e: Mapping[str, Any]) -> str:
+    """Where each job's CPU went, in ms: what bounds the rate once the machine is busy."""
+    jobs = e2e["jobs"]
+    parts = [(name, e2e.get(key)) for name, key in (
+        ("workers", "worker_cpu_seconds"), ("target", "target_cpu_seconds"),
+        ("PostgreSQL", "server_cpu_seconds"), ("Redis", "redis_cpu_seconds"))]
+    shown = [f"{name} {1000 * value / jobs:.2f}" for name, value in parts
+             if value is not None and jobs]
+    busy = e2e.get("machine_busy")
+    return ("             CPU ms per job: " + (", ".join(shown) or "-")
+            + ("" if busy is None else f"  (machine {100 * busy:.0f} % busy)"))
+
+
 def _print_summary(doc: Mapping[str, Any]) -> None:
     queue, ratio = doc["queue"], doc["ratio"]
     _say(f"queue only : {queue['jobs_per_second']:8,.0f} jobs/s  cycle p50 "
@@ -171,9 +190,11 @@ def _print_summary(doc: Mapping[str, Any]) -> None:
          f"{_one_decimal(queue['cycle_p99_ms'])} ms"
          + ("  (RAN DRY: raise --prefill)" if queue["ran_dry"] else ""))
     _say(_e2e_line("end to end ", doc["e2e"]))
+    _say(_cpu_per_job(doc["e2e"]))
     _say(f"ratio end to end / queue only: {'-' if ratio is None else f'{ratio:.2f}'}")
     if "bullmq" in doc:
         _say(_e2e_line("BullMQ e2e ", doc["bullmq"]))
+        _say(_cpu_per_job(doc["bullmq"]))
         other = doc["ratio_to_bullmq"]
         _say(f"ratio PgQueue end to end / BullMQ end to end: "
              f"{'-' if other is None else f'{other:.2f}'}")
@@ -199,33 +220,46 @@ def e2e_phase(dsn: str, schema: str, params: bench_queue.Params, *,
                               params.workers, events)
             try:
                 pool.start()
-                started, cpu_before, cpu_after = timed_window(
-                    list(pool.pids), target.pid, params.duration)
+                window = timed_window(list(pool.pids), target.pid, params.duration)
             finally:
                 pool.stop()
-        return judge_window(events, started, params, cpu_before, cpu_after)
+        return judge_window(events, window, params)
 
 
 Cpu = tuple[float | None, float | None]
 
 
+@dataclass(kw_only=True)
+class Window:
+    """One phase's measured window: when it started, the CPU seconds of (workers, target)
+    at its start and end, and every group's CPU over it."""
+
+    started: float
+    before: Cpu
+    after: Cpu
+    machine: CpuWindow
+
+
 def timed_window(worker_pids: list[int | None], target_pid: int | None,
-                 duration: float) -> tuple[float, Cpu, Cpu]:
-    """Wait out one phase's window, saying each second; (when it started, the CPU seconds
-    of (workers, target) at its start, and at its end)."""
+                 duration: float) -> Window:
+    """Wait out one phase's window, saying each second."""
+    machine = CpuWindow()
+    machine.start()
     started = time.time()
-    cpu_before = _cpu(worker_pids), _cpu([target_pid])
+    before = _cpu(worker_pids), _cpu([target_pid])
     deadline = started + duration
     while (now := time.time()) < deadline:
         time.sleep(min(1.0, deadline - now))
         _say(f"  {time.time() - started:4.0f} s")
-    return started, cpu_before, (_cpu(worker_pids), _cpu([target_pid]))
+    after = _cpu(worker_pids), _cpu([target_pid])
+    machine.stop()
+    return Window(started=started, before=before, after=after, machine=machine)
 
 
-def judge_window(events: Path, started: float, params: bench_queue.Params,
-                 cpu_before: Cpu, cpu_after: Cpu) -> E2eResult:
-    """The jobs whose result was written in [started, started + duration), and their claim
-    to write latency, from the worker event logs in `events`; CPU as (workers, target)."""
+def judge_window(events: Path, window: Window, params: bench_queue.Params) -> E2eResult:
+    """The jobs whose result was written in the window, and their claim to write latency,
+    from the worker event logs in `events`; where the CPU went meanwhile."""
+    started = window.started
     ended = started + params.duration
     frames = [pd.read_csv(path, usecols=["kind", "time", "job_id"])
               for path in sorted(events.glob("*.csv"))]
@@ -242,8 +276,11 @@ def judge_window(events: Path, started: float, params: bench_queue.Params,
         job_p50_ms=bench_queue.percentile(latency.tolist(), 0.50),
         job_p99_ms=bench_queue.percentile(latency.tolist(), 0.99),
         ran_dry=len(writes) >= params.prefill,
-        worker_cpu_seconds=_delta(cpu_before[0], cpu_after[0]),
-        target_cpu_seconds=_delta(cpu_before[1], cpu_after[1]))
+        worker_cpu_seconds=_delta(window.before[0], window.after[0]),
+        target_cpu_seconds=_delta(window.before[1], window.after[1]),
+        server_cpu_seconds=window.machine.seconds("server"),
+        redis_cpu_seconds=window.machine.seconds("redis"),
+        machine_busy=window.machine.machine_busy())
 
 
 def _cpu(pids: list[int | None]) -> float | None:

@@ -27,7 +27,6 @@ import dataclasses
 import itertools
 import json
 import math
-import os
 import threading
 import time
 from collections import Counter
@@ -47,6 +46,7 @@ from reports.history import (
     read_json,
 )
 from reports.selfdescribe import describe
+from scenarios.cpu import cpu_by_process, machine_cpu
 from scenarios.spec import SpecError
 
 DELIVERED_SHARE = 0.9  # of the offered rate, for a step to meet the objective
@@ -280,7 +280,7 @@ class _Watched:
         self.seconds = 0.0
 
     def note_cpu(self, *, first: bool = False) -> None:
-        for pid, (group, used) in _cpu_by_process().items():
+        for pid, (group, used) in cpu_by_process().items():
             seen = self.cpu.get(pid)
             if seen is None:
                 self.cpu[pid] = (group, used if first else 0.0, used)
@@ -292,7 +292,8 @@ class _Watched:
         waits = {k: round(v / total, 3) for k, v in self.waits.most_common()} if total else {}
         groups = {"server": 0.0, "workers": 0.0, "harness": 0.0}
         for group, start, end in self.cpu.values():
-            groups[group] += end - start
+            if group in groups:  # a sweep runs no Redis of its own
+                groups[group] += end - start
         cpu = {k: round(v / self.seconds, 3) for k, v in groups.items()} if self.seconds else {}
         busy, all_ = self.machine
         cpu["machine_busy"] = round(busy / all_, 3) if all_ else 0.0
@@ -331,7 +332,7 @@ def _watch(dsn: str) -> Iterator[_Watched]:
     thread = threading.Thread(target=sample, name="skiplock-sweep-watch", daemon=True)
     started = time.monotonic()
     watched.note_cpu(first=True)
-    machine_before = _machine_cpu()
+    machine_before = machine_cpu()
     thread.start()
     try:
         yield watched
@@ -339,51 +340,10 @@ def _watch(dsn: str) -> Iterator[_Watched]:
         stop.set()
         thread.join(timeout=5)
         watched.note_cpu()
-        machine_after = _machine_cpu()
+        machine_after = machine_cpu()
         watched.seconds = time.monotonic() - started
         watched.machine = (machine_after[0] - machine_before[0],
                            machine_after[1] - machine_before[1])
-
-
-def _cpu_by_process() -> dict[int, tuple[str, float]]:
-    """pid -> (group, CPU seconds used so far) for the server's processes, the workers, and
-    the rest of the harness (producers, the target, this process), told apart by their
-    process names (`name_this_process`). Linux only: elsewhere, nothing."""
-    found: dict[int, tuple[str, float]] = {}
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    proc = Path("/proc")
-    if not proc.exists():
-        return found
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1: stat.rindex(")")]
-        if comm.startswith("postgres"):
-            group = "server"
-        elif comm == "skiplock-worker":
-            group = "workers"
-        elif comm in ("skiplock-produc", "skiplock-target") or int(entry.name) == os.getpid():
-            group = "harness"
-        else:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        found[int(entry.name)] = (group, (int(fields[11]) + int(fields[12])) / tick)
-    return found
-
-
-def _machine_cpu() -> tuple[float, float]:
-    """(busy, total) jiffies of the machine so far (/proc/stat)."""
-    try:
-        first = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return (0.0, 0.0)
-    values = [float(v) for v in first]
-    idle = values[3] + (values[4] if len(values) > 4 else 0.0)
-    return (sum(values) - idle, sum(values))
 
 
 # --------------------------------------------------------------------------------------------

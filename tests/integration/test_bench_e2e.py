@@ -31,6 +31,11 @@ def test_bench_e2e_against_bullmq_relaxed_runs_all_three_phases(
         assert 0 < doc[phase]["jobs"] <= 2000, phase
         assert 0 < doc[phase]["job_p50_ms"] <= doc[phase]["job_p99_ms"], phase
     assert doc["bullmq"]["redis"]["appendfsync"] == "everysec"
+    # Where the CPU went: both servers run on this machine, so each is measured.
+    assert doc["e2e"]["server_cpu_seconds"] > 0
+    assert doc["bullmq"]["redis_cpu_seconds"] > 0
+    for phase in ("e2e", "bullmq"):
+        assert 0 < doc[phase]["machine_busy"] <= 1
     assert doc["ratio_to_bullmq"] == pytest.approx(
         doc["e2e"]["jobs_per_second"] / doc["bullmq"]["jobs_per_second"])
     assert doc["ratio"] == pytest.approx(

@@ -36,6 +36,7 @@ from reports.history import (
     read_log,
 )
 from scenarios import spec as spec_mod
+from scenarios.cpu import process_stats
 from scenarios.runner import RunContext, RunOptions, RunResult, run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
@@ -56,20 +57,16 @@ def _run(pg_dsn: str, tmp_path: Path, scenario: str, overrides: list[str], *,
 def _children() -> set[int]:
     """Live (not zombie) child processes of this test process."""
     found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
+    for pid, _, fields in process_stats():
         if int(fields[1]) != os.getpid() or fields[0] == "Z":
             continue
-        cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
         # multiprocessing's resource tracker lives as long as this process, by design.
         if "resource_tracker" not in cmdline:
-            found.add(int(entry.name))
+            found.add(pid)
     return found
 
 
