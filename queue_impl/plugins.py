@@ -41,6 +41,32 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+BackendOptions = tuple[tuple[str, str], ...]
+_OPTION_KEY = re.compile(r"^[A-Za-z_]\w*$")
+# Option names whose values are shown and recorded as *** (a token, a password).
+_SECRET_OPTION = re.compile(r"pass|secret|token|auth|key", re.IGNORECASE)
+
+
+def parse_backend_options(items: list[str] | tuple[str, ...] | None) -> BackendOptions:
+    """`--backend-opt KEY=VALUE` words as (key, value) pairs, in order; ValueError with one
+    line for a word that is not KEY=VALUE with KEY a Python name, or a key given twice."""
+    found: dict[str, str] = {}
+    for item in items or ():
+        key, eq, value = item.partition("=")
+        if not eq or not _OPTION_KEY.match(key):
+            raise ValueError(f"--backend-opt takes KEY=VALUE with KEY a name such as "
+                             f"queue_name (got {item!r})")
+        if key in found:
+            raise ValueError(f"--backend-opt {key} is given twice")
+        found[key] = value
+    return tuple(found.items())
+
+
+def shown_options(options: BackendOptions) -> dict[str, str]:
+    """Options as a result file or a terminal may show them: secret-looking values hidden."""
+    return {k: ("***" if _SECRET_OPTION.search(k) else v) for k, v in options}
+
+
 def load_factory(name: str) -> Factory:
     """The callable named by `package.module:factory`; ValueError with one line if not."""
     match = _FACTORY.match(name)
@@ -89,15 +115,20 @@ def _not_shared(name: str) -> ValueError:
 
 
 def _build(factory: Factory, name: str, dsn: str | None, schema: str,
-           sql_path: str | None) -> QueueBackend:
+           sql_path: str | None, options: BackendOptions = ()) -> QueueBackend:
     """Call a plug-in's factory; whatever goes wrong is one line naming the factory."""
-    call = "factory(dsn=..., schema=..., sql_path=...)"
+    call = "factory(dsn=..., schema=..., sql_path=..." + "".join(
+        f", {key}=..." for key, _ in options) + ")"
     try:
-        backend = factory(dsn=dsn, schema=schema, sql_path=sql_path)
+        backend = factory(dsn=dsn, schema=schema, sql_path=sql_path, **dict(options))
     except TypeError as exc:
-        raise ValueError(
-            f"backend {name!r}: cannot be called as {call} ({scrub(_one_line(exc), dsn)})"
-        ) from exc
+        text = scrub(_one_line(exc), dsn)
+        unknown = [key for key, _ in options if f"'{key}'" in text]
+        if unknown:
+            raise ValueError(
+                f"backend {name!r}: its factory takes no option {unknown[0]!r} "
+                f"(--backend-opt {unknown[0]}=...; {text})") from exc
+        raise ValueError(f"backend {name!r}: cannot be called as {call} ({text})") from exc
     except Exception as exc:  # the user's code: any failure is theirs to fix
         raise ValueError(
             f"backend {name!r}: the factory raised {type(exc).__name__}"
@@ -115,17 +146,20 @@ def _build(factory: Factory, name: str, dsn: str | None, schema: str,
 
 
 def check_backend(name: str, *, dsn: str | None, schema: str,
-                  sql_path: str | None = None) -> None:
+                  sql_path: str | None = None, options: BackendOptions = ()) -> None:
     """Refuse, before a run starts anything, a backend it could not use: call a plug-in's
     factory once, here, as every worker and producer will (and close what it returns).
     ValueError with one line naming the factory and what went wrong; the reference names
     pass (their failures are the server's, reported where it is reached)."""
     if name in BACKEND_NAMES:
+        if options:
+            raise ValueError(f"backend {name!r} takes no --backend-opt (options are passed to "
+                             "a package.module:factory plug-in's factory)")
         return
     factory = load_factory(name)
     if not is_shared(factory):
         raise _not_shared(name)
-    backend = _build(factory, name, dsn, schema, sql_path)
+    backend = _build(factory, name, dsn, schema, sql_path, options)
     local = _process_local(backend)
     try:
         backend.close()
@@ -283,6 +317,12 @@ class BackendSpec:
     dsn: str | None = field(default=None, repr=False)
     schema: str = "skiplock"
     sql_path: str | None = None
+    # `--backend-opt` pairs, passed to a plug-in's factory as keyword arguments.
+    options: BackendOptions = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        # Through JSON (a producer's config) the pairs arrive as lists.
+        object.__setattr__(self, "options", tuple((str(k), str(v)) for k, v in self.options))
 
     def create(self) -> QueueBackend:
         """Build the queue in the calling process (its connections open lazily, here)."""
@@ -297,7 +337,8 @@ class BackendSpec:
                 sql=self.sql_path,
                 variant=cast(Variant, self.name),
             )
-        return _build(load_factory(self.name), self.name, self.dsn, self.schema, self.sql_path)
+        return _build(load_factory(self.name), self.name, self.dsn, self.schema, self.sql_path,
+                      self.options)
 
     def display(self) -> str:
         parts = [self.name, f"schema={self.schema}"]
@@ -305,4 +346,5 @@ class BackendSpec:
             parts.append(f"dsn={redact(self.dsn)}")
         if self.sql_path:
             parts.append(f"sql={self.sql_path}")
+        parts += [f"{k}={v}" for k, v in shown_options(self.options).items()]
         return " ".join(parts)

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from scenarios.cmd_run import (
     add_scenario_arguments,
+    backend_options,
     checked_server,
     print_report,
     resolve,
@@ -101,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         spec = demo_spec(spec, user_overrides)
         replay = replay_command(spec, seed=seed, backend=args.backend, sql_path=args.sql_path,
                                 command=["skiplock", "demo"],
-                                base=demo_spec(load(DEMO_BASE, DEMO_DEFAULTS), []))
+                                base=demo_spec(load(DEMO_BASE, DEMO_DEFAULTS), []),
+                                backend_options=backend_options(args))
     console = Console(highlight=False)
     with checked_server(args) as server:
         console.print(

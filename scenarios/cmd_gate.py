@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 
 from plumbing.errors import UsageError
-from scenarios.cmd_run import check_dsn
+from scenarios.cmd_run import backend_options, check_dsn
 from scenarios.gate import DEFAULT_OUT, SUITE, line, resolve_scenarios, run_gate
 from scenarios.provision import DSN_ENV, check_reachable
 
@@ -24,6 +24,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="pg",
                         help="system under test: pg (default), pg-naive, pg-for-update,"
                         " pg-long-tx, or package.module:factory")
+    parser.add_argument("--backend-opt", dest="backend_opts", action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="an option for a package.module:factory plug-in, passed to its "
+                        "factory as KEY='VALUE' (repeatable)")
     parser.add_argument("--sql", dest="sql_path", default=None,
                         help="a .sql file whose named blocks replace the reference queue's")
     parser.add_argument("--dsn", default=None,
@@ -80,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     out = Console(highlight=False)
 
     summary = run_gate(backend=args.backend, sql_path=args.sql_path, dsn=args.dsn,
+                       backend_options=backend_options(args),
                        out=args.out, seeds=seeds, scenarios=scenarios, overrides=overrides,
                        report=lambda result: out.print(line(result), soft_wrap=True),
                        html=not args.no_report)

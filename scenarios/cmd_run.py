@@ -37,6 +37,10 @@ def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="pg",
                         help="system under test: pg (default), pg-naive, pg-for-update,"
                         " pg-long-tx, or package.module:factory")
+    parser.add_argument("--backend-opt", dest="backend_opts", action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="an option for a package.module:factory plug-in, passed to its "
+                        "factory as KEY='VALUE' (repeatable; recorded in spec.json)")
     parser.add_argument("--seed", type=int, default=None,
                         help="seed for job scripts and accounts (default: random, recorded)")
     parser.add_argument("--out", type=Path, default=Path("runs"),
@@ -174,20 +178,33 @@ def checked_server(args: argparse.Namespace) -> Iterator[PgServer]:
     from queue_impl.plugins import check_backend
     from scenarios.provision import postgres
 
+    options = backend_options(args)
     with postgres(args.dsn, durable=True) as server:
         try:
             check_backend(args.backend, dsn=server.dsn,
                           schema=args.schema or f"skiplock_{secrets.token_hex(4)}",
-                          sql_path=args.sql_path)
+                          sql_path=args.sql_path, options=options)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         yield server
 
 
+def backend_options(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """`--backend-opt` as pairs; a malformed one is bad input (exit 2), said before a server
+    is provisioned."""
+    from queue_impl.plugins import parse_backend_options
+
+    try:
+        return parse_backend_options(getattr(args, "backend_opts", None))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def run_options(args: argparse.Namespace, seed: int, server: PgServer) -> RunOptions:
     from scenarios.runner import RunOptions
 
-    return RunOptions(backend=args.backend, seed=seed, out=args.out, dsn=args.dsn,
+    return RunOptions(backend=args.backend, backend_options=backend_options(args),
+                      seed=seed, out=args.out, dsn=args.dsn,
                       sql_path=args.sql_path, schema=args.schema, server=server,
                       report=not args.no_report)
 

@@ -30,8 +30,9 @@ from queue_impl.dispatcher import (
     DispatcherConfig,
     validate_worker_count,
 )
-from queue_impl.plugins import BackendSpec, validate_backend_name
+from queue_impl.plugins import BACKEND_NAMES, BackendSpec, validate_backend_name
 from reports.history import LOG_SUFFIX
+from scenarios.cmd_run import backend_options
 from scenarios.provision import DSN_ENV, postgres
 from scenarios.workers import WorkerPool
 
@@ -93,6 +94,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="pg (default), pg-naive, pg-for-update, pg-long-tx, or package.module:factory",
     )
+    parser.add_argument("--backend-opt", dest="backend_opts", action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="an option for a package.module:factory plug-in, passed to its "
+                        "factory as KEY='VALUE' (repeatable)")
     parser.add_argument("--schema", default="skiplock", help="schema holding the queue tables")
     parser.add_argument(
         "--sql", metavar="FILE", help="SQL file whose named blocks replace the reference ones"
@@ -167,8 +172,12 @@ def build_config(args: argparse.Namespace) -> DispatcherConfig:
 
 def run(args: argparse.Namespace) -> int:
     config = build_config(args)
+    options = backend_options(args)
     try:
         validate_backend_name(args.backend)
+        if options and args.backend in BACKEND_NAMES:
+            raise ValueError(f"backend {args.backend!r} takes no --backend-opt (options are "
+                             "passed to a package.module:factory plug-in's factory)")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if not (args.dsn or os.environ.get(DSN_ENV)):
@@ -188,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             with postgres(args.dsn) as server:
                 spec = BackendSpec(
-                    name=args.backend, dsn=server.dsn, schema=args.schema, sql_path=args.sql
+                    name=args.backend, dsn=server.dsn, schema=args.schema, sql_path=args.sql,
+                    options=options,
                 )
                 _setup(spec)
                 pool = WorkerPool(spec, config, args.workers, args.events_dir)

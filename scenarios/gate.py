@@ -175,7 +175,8 @@ def gate_server(dsn: str | None) -> Iterator[Any]:
         yield server
 
 
-def check_backend_on(server: Any, backend: str, sql_path: str | None) -> None:
+def check_backend_on(server: Any, backend: str, sql_path: str | None,
+                     options: tuple[tuple[str, str], ...] = ()) -> None:
     """Refuse a plug-in the gate could not use (its factory raises, returns no queue, or
     builds a one-process queue) before any case runs: bad input, exit 2."""
     import secrets
@@ -184,13 +185,14 @@ def check_backend_on(server: Any, backend: str, sql_path: str | None) -> None:
 
     try:
         check_backend(backend, dsn=server.dsn, schema=f"skiplock_{secrets.token_hex(4)}",
-                      sql_path=sql_path)
+                      sql_path=sql_path, options=options)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
 
 def run_case(scenario: str, seed: int, *, server: Any, backend: str, sql_path: str | None,
-             out: Path, overrides: Sequence[str] = (), report: bool = True) -> CaseResult:
+             out: Path, overrides: Sequence[str] = (), report: bool = True,
+             backend_options: tuple[tuple[str, str], ...] = ()) -> CaseResult:
     """One scenario x seed, judged (and its report.html written, unless `report` is off).
     Bad input raises UsageError (it would fail every case alike); a harness failure is this
     case's result (exit 4)."""
@@ -201,8 +203,9 @@ def run_case(scenario: str, seed: int, *, server: Any, backend: str, sql_path: s
         spec = load(scenario, list(overrides))
     except SpecError as exc:
         raise UsageError(str(exc)) from None
-    options = RunOptions(backend=backend, seed=seed, out=out, sql_path=sql_path,
-                         server=server, worker_logs_to_files=True, report=report)
+    options = RunOptions(backend=backend, backend_options=backend_options, seed=seed, out=out,
+                         sql_path=sql_path, server=server, worker_logs_to_files=True,
+                         report=report)
     started = time.monotonic()
     try:
         result = run_scenario(spec, options)
@@ -225,6 +228,7 @@ def run_case(scenario: str, seed: int, *, server: Any, backend: str, sql_path: s
 
 
 def run_gate(*, backend: str = "pg", sql_path: str | None = None, dsn: str | None = None,
+             backend_options: tuple[tuple[str, str], ...] = (),
              out: Path = DEFAULT_OUT, seeds: Sequence[int], scenarios: Sequence[str],
              overrides: Sequence[str] = (),
              report: Callable[[CaseResult], None] | None = None,
@@ -237,11 +241,11 @@ def run_gate(*, backend: str = "pg", sql_path: str | None = None, dsn: str | Non
     runs.mkdir(parents=True, exist_ok=True)
     try:
         with gate_server(dsn) as server:
-            check_backend_on(server, backend, sql_path)
+            check_backend_on(server, backend, sql_path, backend_options)
             for scenario, seed in cases(scenarios, seeds):
                 result = run_case(scenario, seed, server=server, backend=backend,
                                   sql_path=sql_path, out=runs, overrides=overrides,
-                                  report=html)
+                                  report=html, backend_options=backend_options)
                 summary.results.append(result)
                 if report is not None:
                     report(result)

@@ -38,7 +38,7 @@ from queue_impl.interface import (
     QueueBackend,
     StatementError,
 )
-from queue_impl.plugins import BackendSpec
+from queue_impl.plugins import BackendSpec, shown_options
 from reports import columnar
 from reports.history import (
     ENQUEUE_LOG,
@@ -72,6 +72,8 @@ DEFAULT_OUT = Path("runs")
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
     backend: str = "pg"
+    # `--backend-opt` pairs for a plug-in's factory.
+    backend_options: tuple[tuple[str, str], ...] = ()
     seed: int = 0
     out: Path = DEFAULT_OUT
     dsn: str | None = None
@@ -571,10 +573,11 @@ class _RunState:
                 "backend": self.backend_spec.display() if self.backend_spec else options.backend,
                 "schema": self.schema,
                 "sql_path": options.sql_path,
+                "backend_options": shown_options(options.backend_options),
                 "nemesis_schedule": [p.to_json() for p in self.planned],
                 "replay": options.replay or replay_command(
                     spec, seed=options.seed, backend=options.backend,
-                    sql_path=options.sql_path),
+                    sql_path=options.sql_path, backend_options=options.backend_options),
                 **self.description,
                 **extra,
             },
@@ -764,7 +767,7 @@ def _start_server(run: _RunState, stack: contextlib.ExitStack) -> PgServer:
               else stack.enter_context(postgres(options.dsn, durable=True)))
     run.server_up = server
     run.backend_spec = BackendSpec(name=options.backend, dsn=server.dsn, schema=run.schema,
-                                   sql_path=options.sql_path)
+                                   sql_path=options.sql_path, options=options.backend_options)
     run.description = describe(server.dsn)
     with contextlib.suppress(Exception):
         run.description["postgres"]["harness"] = server.settings()

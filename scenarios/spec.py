@@ -573,7 +573,8 @@ def load(scenario: str, overrides: Sequence[str] = ()) -> ScenarioSpec:
 
 def replay_command(spec: ScenarioSpec, *, seed: int, backend: str, sql_path: str | None,
                    command: Sequence[str] | None = None,
-                   base: ScenarioSpec | None = None) -> str:
+                   base: ScenarioSpec | None = None,
+                   backend_options: Sequence[tuple[str, str]] = ()) -> str:
     """The command line that runs `spec` again with the same seed: `command` (by default
     `skiplock run` and the shipped scenario `spec` is named after) plus `--set` for every key
     that differs from `base` (by default that shipped scenario). A fault schedule that
@@ -586,6 +587,10 @@ def replay_command(spec: ScenarioSpec, *, seed: int, backend: str, sql_path: str
         words += ["--backend", backend]
     if sql_path:
         words += ["--sql", sql_path]
+    from queue_impl.plugins import shown_options
+
+    for key, value in shown_options(tuple(backend_options)).items():
+        words += ["--backend-opt", f"{key}={value}"]
     if base is None and shipped:
         with contextlib.suppress(SpecError):
             base = load(spec.name)

@@ -195,3 +195,44 @@ def test_the_demo_says_what_it_runs_and_its_tables_agree(pg_dsn: str, tmp_path: 
                   "enqueued (jobs acknowledged)", "completed (jobs)"):
         values = re.findall(rf"{re.escape(label)}\s*│\s*(\d+)", done.stdout)
         assert len(values) == 2 and values[0] == values[1], (label, values)
+
+
+OPTIONED_PG = '''
+from queue_impl.pg import PgQueue
+
+def factory(*, dsn, schema, sql_path=None, note="none"):
+    assert note == "kept", note
+    return PgQueue(dsn, schema=schema, sql=sql_path)
+'''
+
+
+def test_backend_options_reach_every_process_and_are_recorded(pg_dsn: str,
+                                                               tmp_path: Path) -> None:
+    """A plug-in's option reaches the check, the producers and the workers (the factory
+    refuses any other value), is recorded in spec.json, and replays."""
+    (tmp_path / "optioned.py").write_text(OPTIONED_PG)
+    out = tmp_path / "out"
+    done = skiplock("run", "steady", "--quiet", "--no-report", "--duration", "1",
+                    "--warmup", "0.5", "--backend", "optioned:factory",
+                    "--backend-opt", "note=kept", "--out", out,
+                    env={"SKIPLOCK_PG_DSN": pg_dsn, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, (done.stdout, done.stderr[-2000:])
+    [run_dir] = list(out.iterdir())
+    spec = json.loads((run_dir / "spec.json").read_text())
+    assert spec["backend_options"] == {"note": "kept"}
+    assert "--backend-opt note=kept" in spec["replay"]
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--backend-opt", "note"], "--backend-opt takes KEY=VALUE"),
+    (["--backend-opt", "note=1"], "backend 'pg' takes no --backend-opt"),
+    (["--backend", "optioned:factory", "--backend-opt", "color=red"],
+     "backend 'optioned:factory': its factory takes no option 'color'"),
+])
+def test_a_backend_option_that_cannot_be_honoured_is_one_line(
+        pg_dsn: str, tmp_path: Path, argv: list[str], needle: str) -> None:
+    (tmp_path / "optioned.py").write_text(OPTIONED_PG)
+    done = skiplock("run", "steady", "--out", tmp_path / "out", *argv,
+                    env={"SKIPLOCK_PG_DSN": pg_dsn, "PYTHONPATH": str(tmp_path)})
+    assert needle in refused(done)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())

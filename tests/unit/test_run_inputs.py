@@ -21,8 +21,10 @@ from queue_impl.plugins import (
     check_backend,
     dsn_problem,
     dsn_view,
+    parse_backend_options,
     redact,
     scrub,
+    shown_options,
 )
 from scenarios import spec as spec_mod
 from scenarios.cmd_run import check_dsn, check_out
@@ -482,3 +484,76 @@ def test_the_live_table_and_the_summary_count_deliveries_alike(tmp_path: Path) -
     assert live_rows[LABELS["delivered"]] == summary_rows[LABELS["delivered"]] == "4"
     assert live_rows[LABELS["delivered_ok"]] == summary_rows[LABELS["delivered_ok"]] == "1"
     assert live_rows[LABELS["enqueued"]] == summary_rows[LABELS["enqueued"]] == "2"
+
+
+# --- plug-in options: --backend-opt ----------------------------------------------------------
+
+OPTIONED = '''
+from queue_impl.memory import InMemoryQueue
+
+SEEN = []
+
+class Queue(InMemoryQueue):
+    shared = True
+
+def takes_queue_name(*, dsn, schema, sql_path, queue_name="default"):
+    SEEN.append(queue_name)
+    return Queue()
+'''
+
+
+def test_options_reach_the_factory_and_an_unknown_one_is_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    import uuid
+
+    name = f"skiplock_test_options_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(OPTIONED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    check_backend(f"{name}:takes_queue_name", dsn=DSN, schema="s",
+                  options=(("queue_name", "emails"),))
+    assert importlib.import_module(name).SEEN == ["emails"]
+    with pytest.raises(ValueError) as caught:
+        check_backend(f"{name}:takes_queue_name", dsn=DSN, schema="s",
+                      options=(("queue_name", "x"), ("nope", "1")))
+    assert str(caught.value).startswith(
+        f"backend '{name}:takes_queue_name': its factory takes no option 'nope'")
+    # Through a producer's JSON config the pairs come back as lists, and still build.
+    spec = BackendSpec(name=f"{name}:takes_queue_name", dsn=DSN,
+                       options=[["queue_name", "sms"]])  # type: ignore[arg-type]
+    assert spec.options == (("queue_name", "sms"),)
+    spec.create().close()
+    assert importlib.import_module(name).SEEN[-1] == "sms"
+
+
+def test_a_reference_backend_takes_no_options() -> None:
+    with pytest.raises(ValueError, match="takes no --backend-opt"):
+        check_backend("pg", dsn=DSN, schema="s", options=(("a", "1"),))
+
+
+@pytest.mark.parametrize(("items", "expected"), [
+    (["queue_name=emails", "limit=3"], (("queue_name", "emails"), ("limit", "3"))),
+    (["url=redis://h/0?x=1"], (("url", "redis://h/0?x=1"),)),
+    (["empty="], (("empty", ""),)),
+])
+def test_backend_options_parse_in_order(items: list[str],
+                                        expected: tuple[tuple[str, str], ...]) -> None:
+    assert parse_backend_options(items) == expected
+
+
+@pytest.mark.parametrize(("items", "message"), [
+    (["noequals"], "--backend-opt takes KEY=VALUE"),
+    (["9lives=1"], "--backend-opt takes KEY=VALUE"),
+    (["a-b=1"], "--backend-opt takes KEY=VALUE"),
+    (["a=1", "a=2"], "--backend-opt a is given twice"),
+])
+def test_a_malformed_backend_option_is_one_line(items: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_backend_options(items)
+
+
+def test_secret_looking_options_are_never_shown() -> None:
+    spec = BackendSpec(name="m:f", options=(("api_token", "t0k3n"), ("queue", "q")))
+    assert shown_options(spec.options) == {"api_token": "***", "queue": "q"}
+    assert "t0k3n" not in spec.display() and "queue=q" in spec.display()
