@@ -139,13 +139,15 @@ WAITS_QUERY = (
 
 
 class Sampler:
-    """Counts, one call per sample. Uses its own connection; falls back to the backend's
-    snapshot when the queue's tables are not the reference schema (a plug-in backend). With
-    a DSN it also writes waits.csv: the run database's sessions by wait event."""
+    """Counts, one call per sample. Reads the reference's tables on its own connection only
+    when `reads_tables` (the reference and its variants); a plug-in's tables are its own
+    business, whatever they are named, so its live counts come from its snapshot. With a
+    DSN it also writes waits.csv: the run database's sessions by wait event."""
 
     def __init__(self, run_dir: Path, dsn: str | None, schema: str,
                  backend: QueueBackend | None = None,
-                 limits: Mapping[str, int | None] | None = None) -> None:
+                 limits: Mapping[str, int | None] | None = None,
+                 reads_tables: bool = True) -> None:
         self.run_dir = run_dir
         self.limits = dict(limits or {})
         self.max_attempts: dict[str, int] = {}
@@ -165,7 +167,7 @@ class Sampler:
         self.started = time.time()
         self.last: Sample | None = None
         self._conn: psycopg.Connection[Any] | None = None
-        self._use_sql = dsn is not None
+        self._use_sql = dsn is not None and reads_tables
         self._waits: LogWriter | None = None
 
     def _read_files(self) -> None:
@@ -257,8 +259,8 @@ class Sampler:
         snapshot gives every status."""
         if self._use_sql and self.dsn is not None:
             try:
-                if self._conn is None or self._conn.closed:
-                    self._conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
+                self._connect()
+                assert self._conn is not None
                 table = sql.SQL("{}.jobs").format(sql.Identifier(self.schema))
                 if exact:
                     query = sql.SQL("SELECT status, count(*) FROM {} GROUP BY status").format(
@@ -283,14 +285,26 @@ class Sampler:
             counts[state.status.value] = counts.get(state.status.value, 0) + 1
         return counts
 
+    def _connect(self) -> None:
+        """The sampler's own connection, opened (again) when there is none."""
+        if self.dsn is not None and (self._conn is None or self._conn.closed):
+            self._conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
+
     def _sample_waits(self, now: float) -> None:
         """One waits.csv sample: the run database's sessions, and what the busy ones wait on.
         Skipped when the server cannot be asked right now (a fault may be cutting it)."""
-        if self.dsn is None or self._conn is None or self._conn.closed:
+        if self.dsn is None:
             return
+        if self._use_sql and (self._conn is None or self._conn.closed):
+            return  # the counts could not connect this second: no second try here
         try:
+            self._connect()
+            assert self._conn is not None
             rows = self._conn.execute(WAITS_QUERY).fetchall()
         except psycopg.Error:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
             return
         if self._waits is None:
             self._waits = LogWriter(self.run_dir / WAITS_FILE, WAITS_LOG)

@@ -38,7 +38,7 @@ from queue_impl.interface import (
     QueueBackend,
     StatementError,
 )
-from queue_impl.plugins import BackendSpec, shown_options
+from queue_impl.plugins import BACKEND_NAMES, BackendSpec, shown_options
 from reports import columnar
 from reports.history import (
     ENQUEUE_LOG,
@@ -725,7 +725,8 @@ def _run_to_final_snapshot(
         config = _run_dispatcher_config(run, target)
 
         loop = _SampleLoop(Sampler(run.run_dir, server.dsn, run.schema, queue,
-                                   limits=dict(spec.accounts)),
+                                   limits=dict(spec.accounts),
+                                   reads_tables=options.backend in BACKEND_NAMES),
                            SampleWriter(run.run_dir / SAMPLES_FILE), observer)
         run.loop = loop
         loop.start()

@@ -236,3 +236,55 @@ def test_a_backend_option_that_cannot_be_honoured_is_one_line(
                     env={"SKIPLOCK_PG_DSN": pg_dsn, "PYTHONPATH": str(tmp_path)})
     assert needle in refused(done)
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+DECOY_TABLES = '''
+import psycopg
+from psycopg import sql
+from queue_impl.pg import PgQueue
+
+class Queue(PgQueue):
+    """The reference queue in a schema of its own, beside a `jobs` table in the run's schema
+    that is the plug-in's own business: two rows that stay PENDING forever."""
+
+    def __init__(self, dsn, schema):
+        super().__init__(dsn, schema=f"{schema}_q")
+        self._decoy = (dsn, schema)
+
+    def setup(self):
+        super().setup()
+        dsn, schema = self._decoy
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+            conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {}.jobs (status text)").format(
+                sql.Identifier(schema)))
+            conn.execute(sql.SQL("INSERT INTO {}.jobs VALUES ('PENDING'), ('PENDING')").format(
+                sql.Identifier(schema)))
+
+def factory(*, dsn, schema, sql_path=None):
+    return Queue(dsn, schema)
+'''
+
+
+def test_a_plugins_own_jobs_table_is_never_read(pg_dsn: str, tmp_path: Path) -> None:
+    """Live counts and the drain come from the plug-in's snapshot, not from whatever table
+    of its is called `jobs` (reading this one, the drain waited for its two rows until the
+    drain timeout: exit 3)."""
+    (tmp_path / "decoy.py").write_text(DECOY_TABLES)
+    out = tmp_path / "out"
+    done = skiplock("run", "steady", "--quiet", "--no-report", "--duration", "1",
+                    "--warmup", "0.5", "--drain-timeout", "8", "--backend", "decoy:factory",
+                    "--out", out,
+                    env={"SKIPLOCK_PG_DSN": pg_dsn, "PYTHONPATH": str(tmp_path)})
+    try:
+        assert done.returncode == 0, (done.stdout, done.stderr[-2000:])
+        assert "VALID" in done.stdout
+        [run_dir] = list(out.iterdir())
+        run = json.loads((run_dir / "run.json").read_text())
+        assert run["drained"] is True
+        assert run["drain_seconds"] < 8, run["drain_seconds"]
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for (name,) in conn.execute("SELECT nspname FROM pg_namespace "
+                                        "WHERE nspname LIKE 'skiplock%\\_q'").fetchall():
+                conn.execute(f'DROP SCHEMA "{name}" CASCADE')
