@@ -173,9 +173,10 @@ def run_in_own_loop(main: Coroutine[Any, Any, None]) -> None:
     """`asyncio.run` for a process that runs BullMQ. Some of its Redis clients are still
     connected when `Worker.close` returns (a blocking fetch or a timer caught mid-command);
     finalized after the loop closed, each would print "Event loop is closed" from
-    `Redis.__del__`, a traceback about a socket the process is done with anyway. Leftover
-    tasks are cancelled while the loop runs, and that one finalizer error is not printed;
-    every other unraisable error still is."""
+    `Redis.__del__`, a traceback about a socket the process is done with anyway, or, while
+    the loop runs, "Unclosed Redis client" through the loop's exception handler. Leftover
+    tasks are cancelled while the loop runs, and those two reports are not printed; every
+    other unraisable error and loop exception still is."""
     default_hook = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -185,7 +186,13 @@ def run_in_own_loop(main: Coroutine[Any, Any, None]) -> None:
             return
         default_hook(unraisable)
 
+    def quiet_unclosed(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        # The same clients, finalized while the loop still runs, report through it instead.
+        if context.get("message") != "Unclosed Redis client":
+            loop.default_exception_handler(context)
+
     async def then_collect() -> None:
+        asyncio.get_running_loop().set_exception_handler(quiet_unclosed)
         await main
         left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
         for task in left:

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_bench_e2e_against_bullmq_relaxed_runs_all_three_phases(
-        pg_dsn: str, tmp_path: Path, embedded_redis_only: None) -> None:
+        pg_dsn: str, tmp_path: Path, embedded_redis_only: None,
+        capfd: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "e2e.json"
     parser = argparse.ArgumentParser()
     bench_e2e.configure(parser)
@@ -24,6 +25,9 @@ def test_bench_e2e_against_bullmq_relaxed_runs_all_three_phases(
                               "--prefill", "2000", "--against", "bullmq",
                               "--durability", "relaxed", "--dsn", pg_dsn, "--out", str(out)])
     assert bench_e2e.run(args) == 0
+    # Nothing but the command's own lines: no library noise from any worker process.
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Unclosed" not in err and "Exception" not in err, err
     doc = json.loads(out.read_text())
     assert doc["durability"] == "relaxed" and doc["durable"] is False
     assert doc["postgres"]["session_synchronous_commit"] == "off"

