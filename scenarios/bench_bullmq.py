@@ -26,8 +26,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, cast
 
-from plumbing.errors import UsageError
-from scenarios.bench_queue import processes_in_step, say_progress
+from scenarios.bench_queue import processes_in_step, require_package, say_progress
 
 QUEUE_NAME = "skiplock-bench"
 ENQUEUE_CHUNK = 1_000
@@ -37,14 +36,7 @@ MAX_ATTEMPTS = 3
 
 def require_bullmq() -> str:
     """bullmq's version; UsageError when it is not installed."""
-    try:
-        from importlib.metadata import version
-
-        import bullmq  # noqa: F401
-    except ImportError:
-        raise UsageError("--against bullmq needs the bullmq package: pip install bullmq"
-                         ) from None
-    return version("bullmq")
+    return require_package("bullmq", "--against bullmq", "pip install bullmq")
 
 
 @contextlib.contextmanager

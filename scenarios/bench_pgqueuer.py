@@ -23,8 +23,7 @@ from typing import Any
 
 import psycopg
 
-from plumbing.errors import UsageError
-from scenarios.bench_queue import processes_in_step, say_progress
+from scenarios.bench_queue import processes_in_step, require_package, say_progress
 from scenarios.provision import fresh_database
 
 ENTRYPOINT = "skiplock_bench"
@@ -33,14 +32,8 @@ ENQUEUE_CHUNK = 5_000
 
 def require_pgqueuer() -> str:
     """pgqueuer's version; UsageError when it is not installed."""
-    try:
-        from importlib.metadata import version
-
-        import pgqueuer  # noqa: F401
-    except ImportError:
-        raise UsageError("--against pgqueuer needs pgqueuer: pip install 'skiplock[pgqueuer]'"
-                         ) from None
-    return version("pgqueuer")
+    return require_package("pgqueuer", "--against pgqueuer",
+                           "pip install 'skiplock[pgqueuer]'")
 
 
 async def _prefill(dsn: str, count: int) -> float:

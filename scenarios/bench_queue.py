@@ -283,6 +283,19 @@ def processes_in_step(procs: Sequence[Any], ready: Any, *, what: str,
                 proc.join()
 
 
+def require_package(module: str, flag: str, install: str) -> str:
+    """The installed version of the package `module` comes from; UsageError naming `flag`
+    and how to install it when it is missing (said before anything runs)."""
+    import importlib
+    from importlib.metadata import version
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise UsageError(f"{flag} needs {module}: {install}") from None
+    return version(module)
+
+
 def _say(line: str) -> None:
     print(line, flush=True)
 

@@ -8,8 +8,6 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-GROUPS = ("server", "redis", "workers", "harness")
-
 
 def process_stats() -> Iterator[tuple[int, str, list[str]]]:
     """(pid, name, the fields of /proc/PID/stat after the name) of each process that can be

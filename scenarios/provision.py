@@ -334,6 +334,14 @@ def _sweep_stale(tmp: Path) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def log_tail(path: Path) -> str:
+    """The last 2,000 characters of a server's log, for a one-line reason it did not start."""
+    try:
+        return path.read_text(errors="replace")[-2000:]
+    except OSError:
+        return ""
+
+
 def _make_traversable(path: Path) -> None:
     """Let the unprivileged server account reach the bundled binaries (o+rx on each parent)."""
     for parent in [path, *path.parents]:
@@ -447,10 +455,7 @@ class _Embedded(_Control):
         raise HarnessError(f"embedded PostgreSQL did not start: {last_error}")
 
     def _log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path)
 
     def _wait_ready(self) -> str | None:
         """None once the server accepts connections; else why it did not (bounded poll)."""

@@ -41,11 +41,11 @@ from scenarios.provision import (
     _pid_alive,
     _read_pid,
     docker_answers,
+    log_tail,
 )
 
 REDIS_URL_ENV = "SKIPLOCK_REDIS_URL"
 Durability = Literal["always", "everysec", "off"]
-DURABILITIES: tuple[Durability, ...] = ("always", "everysec", "off")
 RedisKind = Literal["url", "docker", "embedded"]
 
 CONNECT_TIMEOUT_SECONDS = 3.0
@@ -103,7 +103,6 @@ def durability_args(durability: Durability) -> list[str]:
 class RedisServer:
     url: str
     kind: RedisKind
-    owned: bool
     _control: _Embedded | _Docker | None = None
 
     @property
@@ -266,10 +265,7 @@ class _Embedded:
         raise HarnessError(f"embedded Redis did not start: {last}")
 
     def _log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path)
 
     def _wait_ready(self) -> str | None:
         import redis
@@ -303,10 +299,6 @@ class _Embedded:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=STOP_TIMEOUT_SECONDS)
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
 
     def close(self) -> None:
         try:
@@ -358,13 +350,13 @@ def redis_server(url: str | None = None, *, durability: Durability = "always",
     given = url or os.environ.get(REDIS_URL_ENV) or None
     if given:
         check_reachable(given)
-        yield RedisServer(url=given, kind="url", owned=False)
+        yield RedisServer(url=given, kind="url")
         return
     with _cleanup_on_sigterm():
         # Looked up here, not bound as a default, so a test can rule Docker out.
         control, kind = _start_owned(durability, docker_probe or docker_answers)
         try:
-            yield RedisServer(url=control.url, kind=kind, owned=True, _control=control)
+            yield RedisServer(url=control.url, kind=kind, _control=control)
         finally:
             control.close()
 
