@@ -19,8 +19,8 @@ How BullMQ's notions map onto the reference's:
 - outcome: success returns; a permanent failure raises `UnrecoverableError` (BullMQ's dead
   letter: the failed set, no retry); a transient one raises, and BullMQ retries with the
   backoff the job was added with (`backoff_option`: exponential from the retry base);
-- lease token: BullMQ's lock token (`<worker id>:<n>`), as a UUID derived from it, so each
-  pick of a job has its own identity in the history.
+- lease token: the job id with BullMQ's lock token (`<worker id>:<n>`), as a UUID derived
+  from them, so each pick of a job has its own identity in the history.
 """
 
 from __future__ import annotations
@@ -29,23 +29,19 @@ import asyncio
 import gc
 import os
 import sys
-import time
 import uuid
 from collections.abc import Coroutine, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from queue_impl.dispatcher import (
-    Deliverer,
-    DispatcherConfig,
-    EventSink,
-    claim_event,
-    write_event,
-)
+from queue_impl.dispatcher import DispatcherConfig, EventSink
 from queue_impl.interface import Lease, Outcome
+from queue_impl.native import NativeDelivery, lease_token_of
 
-# Lock tokens are not UUIDs; this namespace turns each into one, the same in every process.
-_TOKEN_NAMESPACE = uuid.UUID("5b0f5c1e-6a43-4a53-9a56-8f3d1a8e7c21")
+# BullMQ's errors when a job's end cannot be written because this worker's pick is no longer
+# the job's (its lock expired and another pick, or the stall check, moved it): the script
+# refused and changed nothing, as a fenced write does.
+_FENCED_ERRORS = ("Missing lock for job", "Lock mismatch for job", "Missing key for job")
 
 
 class TransientFailure(Exception):
@@ -56,11 +52,13 @@ def job_fields(job_id: uuid.UUID, account_id: str, target_url: str,
                payload: Mapping[str, Any], max_attempts: int,
                retry_base_seconds: float) -> dict[str, Any]:
     """One job as `Queue.add`/`addBulk` take it: the reference's fields as its data, its id
-    as BullMQ's job id, its attempts and backoff as BullMQ's options."""
+    as BullMQ's job id, its attempts and backoff as BullMQ's options; finished jobs are kept
+    (the final snapshot reads them)."""
     return {"name": "deliver",
             "data": {"account_id": account_id, "target_url": target_url,
                      "payload": dict(payload)},
             "opts": {"jobId": str(job_id), "attempts": max_attempts,
+                     "removeOnComplete": False, "removeOnFail": False,
                      **backoff_option(retry_base_seconds)}}
 
 
@@ -81,29 +79,33 @@ def lease_of(job: Any, token: str, config: DispatcherConfig, worker_id: str) -> 
         # older BullMQ has none, and its finished attempts + 1 is the best known.
         attempt=int(getattr(job, "attemptsStarted", 0) or 0) or int(job.attemptsMade) + 1,
         max_attempts=int(job.opts.get("attempts", 1)),
-        lease_token=uuid.uuid5(_TOKEN_NAMESPACE, token),
+        # The job's lock is its own key, holding the token: the pair names one pick. (The
+        # Python port's `Worker.run` hands jobs fetched in one pass the same token, a
+        # late-bound closure variable, so the token alone does not.)
+        lease_token=lease_token_of(f"{job.id}:{token}"),
         locked_until=datetime.now(UTC) + timedelta(seconds=config.lease_seconds),
         worker_id=worker_id,
     )
 
 
+def write_refused(err: Any) -> bool:
+    """Whether BullMQ's error says the job's end was refused, not lost in transit."""
+    return str(err).startswith(_FENCED_ERRORS)
+
+
 async def run_bullmq_worker(url: str, queue_name: str, config: DispatcherConfig,
-                            worker_id: str, sink: EventSink, stop: asyncio.Event) -> None:
+                            worker_id: str, sink: EventSink, stop: asyncio.Event,
+                            prefix: str = "bull") -> None:
     """Run one BullMQ `Worker` (concurrency: the config's batch) until `stop` is set, then
     close it: it stops fetching, and the jobs it holds finish and are written first."""
     from bullmq import UnrecoverableError, Worker
 
-    config.validate()
-    # Keyed by the Job object: BullMQ reports a job's end with the very object its processor
-    # got (its `token` and `attemptsMade` may have changed by then).
-    running: dict[int, tuple[Lease, Outcome, str | None, float]] = {}
-
-    async with Deliverer(config, worker_id, sink) as deliverer:
+    quiet_redis_finalizers()
+    async with NativeDelivery(config, worker_id, sink) as delivery:
+        # Keyed by the Job object: BullMQ reports a job's end with the very object its
+        # processor got (its `token` and `attemptsMade` may have changed by then).
         async def process(job: Any, token: str) -> None:
-            lease = lease_of(job, token, config, worker_id)
-            sink("claim", claim_event(lease))
-            call = await deliverer.deliver(lease)
-            running[id(job)] = (lease, call.outcome, call.error, time.time())
+            call = await delivery.run(id(job), lease_of(job, token, config, worker_id))
             if call.outcome is Outcome.SUCCESS:
                 return None
             if call.outcome is Outcome.PERMANENT:
@@ -111,25 +113,20 @@ async def run_bullmq_worker(url: str, queue_name: str, config: DispatcherConfig,
             raise TransientFailure(call.error or "transient failure")
 
         def ended(job: Any, *_: Any) -> None:
-            found = running.pop(id(job), None)
-            if found is not None:
-                lease, outcome, error, started = found
-                sink("write", write_event(lease, outcome, "applied", error, started))
+            delivery.written(id(job))
 
         def failed_to_write(err: Any, job: Any = None) -> None:
-            # BullMQ could not move the job on (its lock was gone, Redis failed): the write
-            # may or may not have happened, as a dispatcher's failed write is unknown. Without
-            # a job it is the loop's own error (a fetch, a lock extension, the stall check).
+            # BullMQ could not move the job on: refused (its lock was gone) or unknown (Redis
+            # failed; the write may or may not have happened). Without a job it is the
+            # loop's own error (a fetch, a lock extension, the stall check).
             text = " ".join(str(err).split()) or type(err).__name__
-            found = running.pop(id(job), None) if job is not None else None
-            if found is not None:
-                lease, outcome, _, started = found
-                sink("write", write_event(lease, outcome, "info", text, started))
-            else:
-                sink("error", {"op": "bullmq", "error": f"{type(err).__name__}: {text}"})
+            result = "fenced" if write_refused(err) else "info"
+            if job is None or not delivery.written(id(job), result, text):
+                delivery.error("bullmq", f"{type(err).__name__}: {text}")
 
         worker = Worker(queue_name, process, {
-            "connection": url, "concurrency": config.batch, "autorun": False,
+            "connection": url, "prefix": prefix, "concurrency": config.batch,
+            "autorun": False,
             "lockDuration": round(config.lease_seconds * 1000),
             "stalledInterval": round(config.recovery_interval_seconds * 1000),
             "name": worker_id})
@@ -169,14 +166,13 @@ async def run_until(worker: Any, stop: asyncio.Event, sink: EventSink) -> None:
             sink("stop", {"reason": reason})
 
 
-def run_in_own_loop(main: Coroutine[Any, Any, None]) -> None:
-    """`asyncio.run` for a process that runs BullMQ. Some of its Redis clients are still
-    connected when `Worker.close` returns (a blocking fetch or a timer caught mid-command);
-    finalized after the loop closed, each would print "Event loop is closed" from
-    `Redis.__del__`, a traceback about a socket the process is done with anyway, or, while
-    the loop runs, "Unclosed Redis client" through the loop's exception handler. Leftover
-    tasks are cancelled while the loop runs, and those two reports are not printed; every
-    other unraisable error and loop exception still is."""
+def quiet_redis_finalizers() -> None:
+    """Some of BullMQ's Redis clients are still connected when `Worker.close` returns (a
+    blocking fetch or a timer caught mid-command); finalized after the loop closed, each
+    would print "Event loop is closed" from `Redis.__del__`, a traceback about a socket the
+    process is done with anyway, or, while the loop runs, "Unclosed Redis client" through the
+    loop's exception handler. Call inside the running loop: those two reports are not
+    printed; every other unraisable error and loop exception still is."""
     default_hook = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -187,12 +183,21 @@ def run_in_own_loop(main: Coroutine[Any, Any, None]) -> None:
         default_hook(unraisable)
 
     def quiet_unclosed(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        # The same clients, finalized while the loop still runs, report through it instead.
         if context.get("message") != "Unclosed Redis client":
             loop.default_exception_handler(context)
 
+    if sys.unraisablehook is not hook:
+        sys.unraisablehook = hook
+    asyncio.get_running_loop().set_exception_handler(quiet_unclosed)
+
+
+def run_in_own_loop(main: Coroutine[Any, Any, None]) -> None:
+    """`asyncio.run` for a process that runs BullMQ: its finalizer reports silenced
+    (`quiet_redis_finalizers`), and leftover tasks cancelled and collected while the loop
+    still runs."""
+
     async def then_collect() -> None:
-        asyncio.get_running_loop().set_exception_handler(quiet_unclosed)
+        quiet_redis_finalizers()
         await main
         left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
         for task in left:
@@ -200,5 +205,4 @@ def run_in_own_loop(main: Coroutine[Any, Any, None]) -> None:
         await asyncio.gather(*left, return_exceptions=True)
         gc.collect()
 
-    sys.unraisablehook = hook
     asyncio.run(then_collect())

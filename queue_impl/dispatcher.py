@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import aiohttp
 
@@ -64,6 +64,7 @@ from queue_impl.interface import (
     Lease,
     Outcome,
     QueueBackend,
+    RunsOwnWorker,
     WriteResult,
 )
 from queue_impl.retry import RetryPolicy, classify_status
@@ -456,7 +457,7 @@ class Dispatcher:
         self._deliverer = Deliverer(
             config, worker_id, sink, guard=guard,
             after_success=lambda lease: self._failpoint("crash_after_http", lease))
-        self._rng = rng or _seeded("failpoints", config.seed, worker_id)
+        self.failpoints = Failpoints(config, worker_id, rng)
         self._policy = dataclasses.replace(
             config.retry_policy(), rng=_seeded("retry", config.seed, worker_id)
         )
@@ -464,7 +465,6 @@ class Dispatcher:
         self._stopping = asyncio.Event()
         self._stop_reason = "stopped"
         self._next_recovery = 0.0
-        self._failpoint_cache: tuple[object, dict[str, float]] = (None, {})
         # Refill mode's state (all touched on the event loop only): leases held by token,
         # calls in flight, results waiting for the writer.
         self._held: dict[Any, _Held] = {}
@@ -922,6 +922,29 @@ class Dispatcher:
                     )
             due = renewed_at + half
 
+    def _stall_in_claim(self) -> None:
+        self.failpoints.stall_in_claim()
+
+    def failpoint_fires(self, name: FailpointName) -> bool:
+        """This worker's next decision for failpoint `name` (seeded: see the module doc)."""
+        return self.failpoints.fires(name)
+
+    def _failpoint(self, name: FailpointName, lease: Lease) -> None:
+        self.failpoints.crash_if_fires(name, lease, self._sink)
+
+
+class Failpoints:
+    """One worker's failpoints: the configured probabilities and the failpoint file's (a
+    fault schedule opens and closes them while the run goes on), decided by one generator,
+    seeded per worker. The dispatcher and a native worker loop use the same ones."""
+
+    def __init__(self, config: DispatcherConfig, worker_id: str,
+                 rng: random.Random | None = None) -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self._rng = rng or _seeded("failpoints", config.seed, worker_id)
+        self._cache: tuple[object, dict[str, float]] = (None, {})
+
     def _file_failpoints(self) -> dict[str, float]:
         """The failpoint file's probabilities, re-read only when the file was replaced."""
         path = self.config.failpoint_file
@@ -930,10 +953,10 @@ class Dispatcher:
         try:
             stat = os.stat(path)
         except OSError:
-            self._failpoint_cache = (None, {})
+            self._cache = (None, {})
             return {}
         key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-        if self._failpoint_cache[0] != key:
+        if self._cache[0] != key:
             try:
                 with open(path, encoding="utf-8") as fh:
                     raw = json.load(fh)
@@ -941,10 +964,10 @@ class Dispatcher:
             except (OSError, ValueError, TypeError, AttributeError) as exc:
                 _log(f"{self.worker_id}: ignoring the failpoint file: {_one_line(exc)}")
                 loaded = {}
-            self._failpoint_cache = (key, loaded)
-        return self._failpoint_cache[1]
+            self._cache = (key, loaded)
+        return self._cache[1]
 
-    def _stall_in_claim(self) -> None:
+    def stall_in_claim(self) -> None:
         """The `pause_in_claim` failpoint, run by the backend between a claim's statements
         and its COMMIT (on the claim's thread): sleep there, as a worker frozen inside its
         claim transaction would, while the leases' clock runs."""
@@ -953,16 +976,18 @@ class Dispatcher:
         if probability > 0 and self._rng.random() < probability:
             time.sleep(max(0.0, found.get(PAUSE_IN_CLAIM_SECONDS, 0.0)))
 
-    def failpoint_fires(self, name: FailpointName) -> bool:
-        """This worker's next decision for failpoint `name` (seeded: see the module doc)."""
+    def fires(self, name: FailpointName) -> bool:
+        """This worker's next decision for failpoint `name`."""
         probability = max(self.config.failpoint_probability(name),
                           self._file_failpoints().get(name, 0.0))
         return probability > 0 and self._rng.random() < probability
 
-    def _failpoint(self, name: FailpointName, lease: Lease) -> None:
-        if self.failpoint_fires(name):
-            self.emit("failpoint", name=name, job_id=str(lease.job_id), attempt=lease.attempt)
-            # No cleanup on purpose: this is the crash being simulated.
+    def crash_if_fires(self, name: FailpointName, lease: Lease, sink: EventSink) -> None:
+        """Record the failpoint and exit at once, with no cleanup, when it fires: this is
+        the crash being simulated."""
+        if self.fires(name):
+            sink("failpoint", {"name": name, "job_id": str(lease.job_id),
+                               "attempt": lease.attempt})
             os._exit(FAILPOINT_EXIT_CODE)
 
 
@@ -998,10 +1023,17 @@ def run_worker(
         signal.signal(signum, remember)
     try:
         backend = spec.create()
-        dispatcher = Dispatcher(backend, config, worker_id, sink)
+        native = isinstance(backend, RunsOwnWorker)
+        dispatcher = None if native else Dispatcher(backend, config, worker_id, sink)
     except Exception as exc:
         sink("stop", {"reason": f"error: {type(exc).__name__}: {_one_line(exc)}"})
         raise
+    if dispatcher is None:
+        from queue_impl.native import run_native_worker
+
+        # The queue's own consumer loop, which writes its own start and stop events.
+        run_native_worker(cast(RunsOwnWorker, backend), config, worker_id, sink, early)
+        return
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -1025,6 +1057,7 @@ __all__ = [
     "DispatcherConfig",
     "EventSink",
     "FailedOp",
+    "Failpoints",
     "lease_left",
     "run_worker",
     "validate_worker_count",

@@ -121,6 +121,55 @@ class JobState:
 
 BackendName = Literal["pg", "pg-naive", "pg-for-update", "pg-long-tx"]
 
+AttemptsCount = Literal["claims", "finished"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Guarantees:
+    """What a queue promises, declared by its backend (a `guarantees` attribute on the queue
+    or its class; the reference's when absent). The run records it in spec.json; the checker
+    judges only the promises made and lists every check it did not apply, and why."""
+
+    # Per-account concurrency limits hold at every moment.
+    account_limits: bool = True
+    # A result written after the lease was lost (another claim took the job) is refused.
+    fencing: bool = True
+    # What `max_attempts` counts: every claim (a claim whose worker died counts, as in the
+    # reference), or only attempts that finished (a pick that stalled is not counted).
+    attempts_count: AttemptsCount = "claims"
+    # The retry wait is capped at the configured cap (the reference's capped backoff). A
+    # queue without a cap waits longer than the cap allows once the cap would bind.
+    retry_cap: bool = True
+    # The pause_in_claim fault: the queue's claim is a transaction the harness can stall
+    # between its statements and its COMMIT.
+    claim_transaction: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"account_limits": self.account_limits, "fencing": self.fencing,
+                "attempts_count": self.attempts_count, "retry_cap": self.retry_cap,
+                "claim_transaction": self.claim_transaction}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Guarantees:
+        """From spec.json's `guarantees`; ValueError for a value of the wrong type."""
+        flags = ("account_limits", "fencing", "retry_cap", "claim_transaction")
+        for key in flags:
+            if not isinstance(raw.get(key, True), bool):
+                raise ValueError(f"guarantees.{key} must be true or false")
+        count = raw.get("attempts_count", "claims")
+        if count not in ("claims", "finished"):
+            raise ValueError("guarantees.attempts_count must be \"claims\" or \"finished\"")
+        return cls(**{k: bool(raw.get(k, True)) for k in flags}, attempts_count=count)
+
+
+REFERENCE_GUARANTEES = Guarantees()
+
+
+def guarantees_of(queue: object) -> Guarantees:
+    """The promises `queue` declares: its `guarantees` attribute, else the reference's."""
+    found = getattr(queue, "guarantees", None)
+    return found if isinstance(found, Guarantees) else REFERENCE_GUARANTEES
+
 
 @runtime_checkable
 class QueueBackend(Protocol):
@@ -167,6 +216,32 @@ class QueueBackend(Protocol):
 
     def close(self) -> None:
         """Close connections. The backend may be used again after (it reconnects)."""
+
+
+@runtime_checkable
+class RunsOwnWorker(Protocol):
+    """An optional capability: the queue brings its own consumer loop (BullMQ's `Worker`,
+    pgqueuer's `QueueManager`, ...), run in each worker process instead of skiplock's
+    dispatcher, so a run covers the queue as its users deploy it. The loop hands each job to
+    a `queue_impl.native.NativeDelivery` (the same SSRF guard, timeout, identity headers,
+    failpoints and worker events as the dispatcher's) and returns once `stop` is set and the
+    jobs it holds are finished. `claim`, `finish`, `renew`, `release` and `recover` are then
+    never called by the harness."""
+
+    async def run_worker(self, config: Any, worker_id: str, sink: Any,
+                         stop: Any) -> None:
+        """Consume jobs until `stop` (an asyncio.Event) is set; write `start` and `stop`
+        worker events through `sink`."""
+
+
+@runtime_checkable
+class TearsDown(Protocol):
+    """An optional capability: remove everything the queue made (its keys, its tables)
+    once the run's final snapshot is taken. Without it, the run drops its PostgreSQL
+    schema, where a SQL backend keeps everything."""
+
+    def teardown(self) -> None:
+        """Remove the queue's data; safe to call when setup() never ran."""
 
 
 class StatementError(ValueError):

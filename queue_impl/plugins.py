@@ -30,6 +30,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from queue_impl.interface import QueueBackend
 
 BACKEND_NAMES: tuple[str, ...] = ("pg", "pg-naive", "pg-for-update", "pg-long-tx")
+# Queues on Redis, with their own worker loops: the run provisions Redis for them.
+REDIS_BACKENDS: tuple[str, ...] = ("bullmq",)
+BUILT_IN: tuple[str, ...] = (*BACKEND_NAMES, *REDIS_BACKENDS)
 
 _FACTORY = re.compile(r"^(?P<module>[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*):(?P<attr>[A-Za-z_]\w*)$")
 
@@ -72,7 +75,7 @@ def load_factory(name: str) -> Factory:
     match = _FACTORY.match(name)
     if match is None:
         raise ValueError(
-            f"unknown backend {name!r}: use one of {', '.join(BACKEND_NAMES)} "
+            f"unknown backend {name!r}: use one of {', '.join(BUILT_IN)} "
             "or package.module:factory"
         )
     module_name, attr = match.group("module"), match.group("attr")
@@ -91,7 +94,7 @@ def load_factory(name: str) -> Factory:
 
 def validate_backend_name(name: str) -> None:
     """Raise ValueError (one line, saying what to use instead) for an unusable name."""
-    if name in BACKEND_NAMES:
+    if name in BUILT_IN:
         return
     load_factory(name)
 
@@ -151,7 +154,7 @@ def check_backend(name: str, *, dsn: str | None, schema: str,
     factory once, here, as every worker and producer will (and close what it returns).
     ValueError with one line naming the factory and what went wrong; the reference names
     pass (their failures are the server's, reported where it is reached)."""
-    if name in BACKEND_NAMES:
+    if name in BUILT_IN:
         if options:
             raise ValueError(f"backend {name!r} takes no --backend-opt (options are passed to "
                              "a package.module:factory plug-in's factory)")
@@ -319,6 +322,11 @@ class BackendSpec:
     sql_path: str | None = None
     # `--backend-opt` pairs, passed to a plug-in's factory as keyword arguments.
     options: BackendOptions = field(default=(), repr=False)
+    # The Redis of a Redis backend (its queue name is `schema`).
+    redis_url: str | None = field(default=None, repr=False)
+    # The scenario's retry base, for a queue whose backoff is set per job when it is
+    # enqueued (BullMQ).
+    retry_base_seconds: float = 0.2
 
     def __post_init__(self) -> None:
         # Through JSON (a producer's config) the pairs arrive as lists.
@@ -337,11 +345,21 @@ class BackendSpec:
                 sql=self.sql_path,
                 variant=cast(Variant, self.name),
             )
+        if self.name in REDIS_BACKENDS:
+            from queue_impl.bullmq_queue import BullmqQueue
+
+            if not self.redis_url:
+                raise ValueError(f"backend {self.name!r} needs a Redis URL")
+            return BullmqQueue(self.redis_url, queue_name=self.schema,
+                               retry_base_seconds=self.retry_base_seconds)
         return _build(load_factory(self.name), self.name, self.dsn, self.schema, self.sql_path,
                       self.options)
 
     def display(self) -> str:
         parts = [self.name, f"schema={self.schema}"]
+        if self.name in REDIS_BACKENDS:
+            # Its server is described (without a password) beside PostgreSQL's.
+            return f"{self.name} queue={self.schema}"
         if self.dsn:
             parts.append(f"dsn={redact(self.dsn)}")
         if self.sql_path:

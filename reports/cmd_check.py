@@ -65,13 +65,17 @@ def render(verdict: Verdict, path: Path, console: Console, examples: int = 3) ->
     table.add_column("value", justify="right")
     # Counts the history cannot decide (a log cut off) are shown, but not as violations.
     not_judged = verdict.details.get("not_judged") or {}
+    not_applicable: dict[str, str] = verdict.details.get("not_applicable") or {}
     for key in COUNT_KEYS:
         value = verdict.counts.get(key, 0)
         bad = key in VIOLATION_KEYS and value > 0
         style = ("yellow" if key in not_judged else "bold red") if bad else (
             "dim" if value == 0 else "")
-        table.add_row(key, str(value), style=style)
+        table.add_row(key, "n/a" if key in not_applicable else str(value), style=style)
     console.print(table)
+    for kind, reason in not_applicable.items():
+        console.print(f"  {kind} not applicable: {reason}", markup=False, highlight=False,
+                      soft_wrap=True)
     for kind, items in verdict.examples.items():
         label = f"{kind} (not judged)" if kind in not_judged else kind
         for item in items[: max(examples, 0)]:

@@ -125,12 +125,15 @@ def _counts_table(run: RunData) -> str:
     verdict = run.verdict or {}
     counts = verdict.get("counts") or {}
     not_judged = (verdict.get("details") or {}).get("not_judged") or {}
+    not_applicable = (verdict.get("details") or {}).get("not_applicable") or {}
     rows = []
     # What was violated first: the table is read top-down.
     for key, meaning in sorted(VIOLATIONS.items(), key=lambda kv: not counts.get(kv[0])):
         value = counts.get(key, 0)
         css = "bad" if value and key not in not_judged else ("zero" if not value else "")
         note = " (not judged: a log was cut)" if key in not_judged else ""
+        if key in not_applicable:
+            value, note = "n/a", f" (not applicable: {not_applicable[key]})"
         rows.append(f'<tr class="{css}"><td><code>{_e(key)}</code></td>'
                     f'<td class="num">{_e(value)}</td><td>{_e(meaning + note)}</td></tr>')
     explained = counts.get("duplicate_explained", 0)

@@ -103,7 +103,10 @@ class RunBuilder:
         account_limits: Mapping[str, int | None] | None = None,
         drained: bool = True,
         exit_reason: str = "completed",
+        guarantees: Mapping[str, Any] | None = None,
     ) -> None:
+        # What the queue declared (spec.json `guarantees`); None: not recorded.
+        self.guarantees = dict(guarantees) if guarantees is not None else None
         self.run_info: dict[str, Any] = {
             "started": 1000.0,
             "finished": 2000.0,
@@ -270,7 +273,10 @@ class RunBuilder:
 
     def write(self, run_dir: Path, *, nemesis: bool = True) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(run_dir / SPEC_FILE, {"scenario": "synthetic", "seed": 0})
+        spec: dict[str, Any] = {"scenario": "synthetic", "seed": 0}
+        if self.guarantees is not None:
+            spec["guarantees"] = self.guarantees
+        write_json(run_dir / SPEC_FILE, spec)
         write_json(run_dir / RUN_FILE, self.run_info)
         write_log(run_dir / ENQUEUES_FILE, ENQUEUE_LOG, self.enqueues)
         write_log(run_dir / FINAL_JOBS_FILE, FINAL_JOBS_LOG, self.finals)

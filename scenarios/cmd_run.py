@@ -36,11 +36,15 @@ def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by `run` and `demo`."""
     parser.add_argument("--backend", default="pg",
                         help="system under test: pg (default), pg-naive, pg-for-update,"
-                        " pg-long-tx, or package.module:factory")
+                        " pg-long-tx, bullmq (Redis, BullMQ's own Worker), or"
+                        " package.module:factory")
     parser.add_argument("--backend-opt", dest="backend_opts", action="append", default=[],
                         metavar="KEY=VALUE",
                         help="an option for a package.module:factory plug-in, passed to its "
                         "factory as KEY='VALUE' (repeatable; recorded in spec.json)")
+    parser.add_argument("--redis-url", default=None,
+                        help="Redis for --backend bullmq (default: SKIPLOCK_REDIS_URL, Docker,"
+                        " embedded)")
     parser.add_argument("--seed", type=int, default=None,
                         help="seed for job scripts and accounts (default: random, recorded)")
     parser.add_argument("--out", type=Path, default=Path("runs"),
@@ -78,13 +82,16 @@ def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
 def check_system_under_test(backend: str, sql_path: str | None) -> None:
     """The backend name and the --sql file, checked before any server or process starts,
     so that either is exit 2 with one line."""
-    from queue_impl.plugins import validate_backend_name
+    from queue_impl.plugins import REDIS_BACKENDS, validate_backend_name
     from queue_impl.sqlfile import SqlFileError, statements_with_overrides
 
     try:
         validate_backend_name(backend)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if sql_path is not None and backend in REDIS_BACKENDS:
+        raise UsageError(f"--sql replaces the reference queue's SQL; backend {backend!r} "
+                         "runs none: leave --sql out")
     if sql_path is not None:
         try:
             statements_with_overrides(sql_path)
@@ -95,6 +102,7 @@ def check_system_under_test(backend: str, sql_path: str | None) -> None:
 def resolve(args: argparse.Namespace, scenario: str) -> tuple[ScenarioSpec, int]:
     """The scenario with every command-line override applied, and the seed."""
     check_system_under_test(args.backend, args.sql_path)
+    check_redis_url(args.backend, getattr(args, "redis_url", None))
     check_dsn(args.dsn)
     check_out(args.out)
     overrides = list(args.overrides)
@@ -121,6 +129,7 @@ def resolve(args: argparse.Namespace, scenario: str) -> tuple[ScenarioSpec, int]
     except (SpecError, NemesisError) as exc:
         raise UsageError(str(exc)) from None
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    check_honoured(spec, args.backend)
     # A fault that needs a server the harness starts, against a DSN it was given: refused
     # before anything is announced or started.
     external = bool(args.dsn or os.environ.get(DSN_ENV))
@@ -129,6 +138,42 @@ def resolve(args: argparse.Namespace, scenario: str) -> tuple[ScenarioSpec, int]
     except NemesisError as exc:
         raise UsageError(str(exc)) from None
     return spec, seed
+
+
+def check_honoured(spec: ScenarioSpec, backend: str) -> None:
+    """A built-in queue's promises are known before anything starts: a setting it cannot
+    honour is refused here (a plug-in's, once its factory has built it, by the run)."""
+    from queue_impl.bullmq_queue import GUARANTEES as BULLMQ
+    from queue_impl.interface import REFERENCE_GUARANTEES
+    from queue_impl.plugins import BACKEND_NAMES, REDIS_BACKENDS
+    from scenarios.honoured import unhonoured
+
+    known = (REFERENCE_GUARANTEES if backend in BACKEND_NAMES
+             else BULLMQ if backend in REDIS_BACKENDS else None)
+    refusal = unhonoured(spec, backend, known) if known is not None else None
+    if refusal is not None:
+        raise UsageError(refusal)
+
+
+def check_redis_url(backend: str, url: str | None) -> None:
+    """--redis-url only with a Redis backend (it would be ignored otherwise), and not empty;
+    whether it answers is checked when the run provisions it."""
+    from queue_impl.plugins import REDIS_BACKENDS
+
+    if url is not None and backend not in REDIS_BACKENDS:
+        raise UsageError(f"--redis-url is for a Redis backend ({', '.join(REDIS_BACKENDS)}); "
+                         f"backend {backend!r} does not use Redis: leave it out")
+    if backend in REDIS_BACKENDS:
+        from scenarios.provision_redis import REDIS_URL_ENV, check_reachable
+
+        if url is not None and not url.strip():
+            raise UsageError("--redis-url is empty: give a URL such as redis://127.0.0.1:6379/0,"
+                             f" or leave it out to use {REDIS_URL_ENV}, Docker or the embedded "
+                             "server")
+        given = url or os.environ.get(REDIS_URL_ENV)
+        if given:
+            # Before anything is created: an unreachable server leaves nothing behind.
+            check_reachable(given)
 
 
 def check_dsn(dsn: str | None) -> None:
@@ -206,7 +251,7 @@ def run_options(args: argparse.Namespace, seed: int, server: PgServer) -> RunOpt
     return RunOptions(backend=args.backend, backend_options=backend_options(args),
                       seed=seed, out=args.out, dsn=args.dsn,
                       sql_path=args.sql_path, schema=args.schema, server=server,
-                      report=not args.no_report)
+                      redis_url=args.redis_url, report=not args.no_report)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -270,7 +315,14 @@ def print_verdict(console: Console, verdict: object, run_dir: Path) -> None:
     counts: dict[str, int] = dict(getattr(verdict, "counts", {}))
     examples: dict[str, list[dict[str, object]]] = dict(getattr(verdict, "examples", {}))
     console.print(f"verdict: {verdict_label(valid)}   run directory: {run_dir}")
-    console.print("  " + "  ".join(f"{k}={v}" for k, v in counts.items()), soft_wrap=True)
+    details: dict[str, object] = dict(getattr(verdict, "details", {}) or {})
+    not_applicable = details.get("not_applicable") or {}
+    assert isinstance(not_applicable, dict)
+    console.print("  " + "  ".join(f"{k}={'n/a' if k in not_applicable else v}"
+                                   for k, v in counts.items()), soft_wrap=True)
+    for kind, reason in not_applicable.items():
+        console.print(f"  {kind} not applicable: {reason}", markup=False, highlight=False,
+                      soft_wrap=True)
     for kind, items in examples.items():
         for item in items[:3]:
             console.print(f"  {kind}: {json.dumps(item, default=str)}")

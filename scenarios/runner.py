@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import secrets
 import shutil
@@ -37,8 +38,10 @@ from queue_impl.interface import (
     JobStatus,
     QueueBackend,
     StatementError,
+    TearsDown,
+    guarantees_of,
 )
-from queue_impl.plugins import BACKEND_NAMES, BackendSpec, shown_options
+from queue_impl.plugins import BACKEND_NAMES, REDIS_BACKENDS, BackendSpec, shown_options
 from reports import columnar
 from reports.history import (
     ENQUEUE_LOG,
@@ -59,11 +62,13 @@ from reports.history import (
     write_json,
 )
 from reports.selfdescribe import describe
+from scenarios.honoured import unhonoured
 from scenarios.progress import Observer, Sample, Sampler, SampleWriter
 from scenarios.provision import DSN_ENV, PgServer, postgres, redact_dsn
 from scenarios.spec import FAILPOINT_NAMES, ScenarioSpec, replay_command
 
 if TYPE_CHECKING:
+    from scenarios.provision_redis import RedisServer
     from scenarios.workers import WorkerPool
 
 DEFAULT_OUT = Path("runs")
@@ -85,6 +90,8 @@ class RunOptions:
     # A server provisioned by the caller and shared by several runs (the gate); the run
     # neither starts nor stops it. None: provision one for this run (dsn, Docker, embedded).
     server: PgServer | None = None
+    # A Redis backend's server: this URL, else SKIPLOCK_REDIS_URL, Docker or the embedded one.
+    redis_url: str | None = None
     # Workers' stderr (reconnects, failed claims under faults) to RUN_DIR/logs/ instead of
     # the terminal.
     worker_logs_to_files: bool = False
@@ -764,18 +771,32 @@ def _start_server(run: _RunState, stack: contextlib.ExitStack) -> PgServer:
     """The PostgreSQL server of the run (the caller's, or one provisioned for it), described
     in spec.json before anything else touches it."""
     options = run.options
+    redis = _start_redis(run, stack) if options.backend in REDIS_BACKENDS else None
     server = (options.server if options.server is not None
               else stack.enter_context(postgres(options.dsn, durable=True)))
     run.server_up = server
     run.backend_spec = BackendSpec(name=options.backend, dsn=server.dsn, schema=run.schema,
-                                   sql_path=options.sql_path, options=options.backend_options)
+                                   sql_path=options.sql_path, options=options.backend_options,
+                                   redis_url=redis.url if redis else None,
+                                   retry_base_seconds=run.spec.retry_base)
     run.description = describe(server.dsn)
+    if redis is not None:
+        run.description["redis"] = {"kind": redis.kind, "url": redis.display,
+                                    "harness": redis.settings()}
     with contextlib.suppress(Exception):
         run.description["postgres"]["harness"] = server.settings()
     run.description["postgres"]["dsn"] = redact_dsn(server.dsn)
     run.description["postgres"]["owned"] = server.owned
     run.write_spec_json({"phases": run.phases})
     return server
+
+
+def _start_redis(run: _RunState, stack: contextlib.ExitStack) -> RedisServer:
+    """A Redis backend's server (the URL given, Docker, or the embedded one), durable: an
+    AOF fsynced before each reply, as PostgreSQL commits are."""
+    from scenarios.provision_redis import redis_server
+
+    return stack.enter_context(redis_server(run.options.redis_url, durability="always"))
 
 
 def _set_up_queue(run: _RunState, stack: contextlib.ExitStack, server: PgServer) -> QueueBackend:
@@ -786,11 +807,19 @@ def _set_up_queue(run: _RunState, stack: contextlib.ExitStack, server: PgServer)
     options = run.options
     queue: QueueBackend = _backend(run).create()
     stack.callback(queue.close)
+    promised = guarantees_of(queue)
+    refusal = unhonoured(run.spec, options.backend, promised)
+    if refusal is not None:
+        run.refused = True
+        raise UsageError(refusal)
+    run.description["guarantees"] = promised.to_json()
     try:
         queue.setup()
         if options.schema is None and not options.keep_schema:
-            # Registered before the snapshot runs, so it runs after it (LIFO).
-            stack.callback(_drop_schema, server.dsn, run.schema)
+            # Registered before the snapshot runs, so it runs after it (LIFO). A queue that
+            # tears itself down owns what it made; the others live in the run's schema.
+            stack.callback(queue.teardown if isinstance(queue, TearsDown)
+                           else functools.partial(_drop_schema, server.dsn, run.schema))
         # Every statement checked on the fresh schema before any load starts, so
         # bad SQL is one line naming its file and block, not every call failing.
         if isinstance(queue, ChecksStatements):
@@ -803,6 +832,9 @@ def _set_up_queue(run: _RunState, stack: contextlib.ExitStack, server: PgServer)
     # Announced once the input is known to be good: a refused run says only why.
     run.say(f"run directory: {run.run_dir}")
     run.say(f"PostgreSQL: {server.kind} {server.display}")
+    if "redis" in run.description:
+        redis = run.description["redis"]
+        run.say(f"Redis: {redis['kind']} {redis['url']}")
     queue.upsert_accounts(
         [Account(id=a, concurrency_limit=limit)
          for a, limit in run.spec.account_limits().items()]

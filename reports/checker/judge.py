@@ -34,7 +34,16 @@ def judge(h: History, tolerance: float) -> Findings:
     found = Findings(counts=_descriptive_counts(frame), examples={})
     found.unknown.extend(_unknown_state(frame, explained))
     failed_rules: dict[str, str] = {}
+    not_applicable: dict[str, str] = {}
     for anomaly in ANOMALIES:
+        reason = anomaly.not_applicable(h.config.guarantees)
+        if reason is not None:
+            # A promise the queue does not make is not judged: counted as 0, listed as not
+            # applicable with the reason, never reported as kept.
+            not_applicable[anomaly.kind] = reason
+            found.counts[anomaly.kind] = 0
+            found.examples[anomaly.kind] = []
+            continue
         try:
             count, shown = _apply(anomaly, frame, explained)
         except Exception as exc:
@@ -46,6 +55,8 @@ def judge(h: History, tolerance: float) -> Findings:
         found.unknown.append(f"the {kind} check failed ({error}): its answer is unknown")
     if failed_rules:
         found.details["rules_failed"] = failed_rules
+    if not_applicable:
+        found.details["not_applicable"] = not_applicable
     found.unknown.extend(_unknown_history(frame, found.details))
     found.details.update(_details(frame, explained))
     return found

@@ -27,7 +27,7 @@ import pyarrow.compute as pc  # type: ignore[import-untyped]
 import pyarrow.csv as pacsv  # type: ignore[import-untyped]
 import pyarrow.json as pajson  # type: ignore[import-untyped]
 
-from queue_impl.interface import JobStatus
+from queue_impl.interface import REFERENCE_GUARANTEES, Guarantees, JobStatus
 from queue_impl.retry import RetryPolicy
 from reports import columnar
 from reports.checker.common import floats
@@ -659,6 +659,8 @@ class RunConfig:
     durable: bool | None = None
     # The system under test's name (run.json `backend`), "" when not recorded.
     backend: str = ""
+    # What the queue promises (spec.json `guarantees`; the reference's when not recorded).
+    guarantees: Guarantees = REFERENCE_GUARANTEES
 
 
 def _durability(raw: dict[str, Any], spec: dict[str, Any], path: Path) -> bool | None:
@@ -743,7 +745,22 @@ def _run_config(path: Path, spec: dict[str, Any] | None = None) -> RunConfig:
         final_jobs=final_jobs,
         durable=_durability(raw, spec or {}, path),
         backend=raw["backend"] if isinstance(raw.get("backend"), str) else "",
+        guarantees=_guarantees(spec or {}, path),
     )
+
+
+def _guarantees(spec: dict[str, Any], path: Path) -> Guarantees:
+    """spec.json's `guarantees`, else the reference's; a malformed one is bad input (judged
+    against promises guessed, a queue could be called invalid by design or valid unjudged)."""
+    raw = spec.get("guarantees")
+    if raw is None:
+        return REFERENCE_GUARANTEES
+    if not isinstance(raw, dict):
+        raise HistoryError(f"{path.with_name(SPEC_FILE)}: guarantees must be an object")
+    try:
+        return Guarantees.from_json(raw)
+    except ValueError as exc:
+        raise HistoryError(f"{path.with_name(SPEC_FILE)}: {exc}") from None
 
 
 def _file_type(path: Path) -> int | None:

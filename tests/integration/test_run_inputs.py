@@ -82,6 +82,16 @@ CASES = [
      "backend 'badplugin:raises': the factory raised RuntimeError (cannot reach my broker"),
     (["run", "steady", "--backend", "badplugin:returns_none"],
      "backend 'badplugin:returns_none': the factory returned None"),
+    (["run", "steady", "--backend", "bullmq", "--redis-url", "redis://u:Pq7zZ9@127.0.0.1:1/0"],
+     "cannot reach Redis at redis://u:***@127.0.0.1:1/0"),
+    (["run", "steady", "--redis-url", "redis://127.0.0.1:6379/0"],
+     "--redis-url is for a Redis backend (bullmq); backend 'pg' does not use Redis"),
+    (["run", "steady", "--backend", "bullmq", "--set", "retry_cap=0.5"],
+     "backend 'bullmq' cannot honour retry_cap = 0.5: its backoff has no cap"),
+    (["run", "steady", "--backend", "bullmq", "--backend-opt", "prefix=x"],
+     "backend 'bullmq' takes no --backend-opt"),
+    (["run", "steady", "--backend", "bullmq", "--sql", "{in}/afile"],
+     "backend 'bullmq' runs none: leave --sql out"),
 ]
 
 

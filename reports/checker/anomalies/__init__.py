@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Literal
 
+from queue_impl.interface import Guarantees
 from reports.checker.anomalies import (
     attempts_exceeded,
     concurrent_delivery,
@@ -53,6 +54,9 @@ class Anomaly:
     # The logs a cut-off tail of which may hide what decides it (or invent it, by losing
     # an enqueue, a delivery, or the event or fault that explains one).
     held_back_by: frozenset[str] = frozenset()
+    # The promise it judges, if the queue must declare it (`Guarantees`): given the queue's
+    # declaration, why the check does not apply, or None when it does.
+    not_applicable: Callable[[Guarantees], str | None] = lambda _promised: None
 
     @property
     def find(self) -> Callable[[Frame, Explained], Iterable[Example]]:
@@ -61,6 +65,22 @@ class Anomaly:
     @property
     def say(self) -> Callable[[Example], str]:
         return self.module.say  # type: ignore[no-any-return]
+
+
+def _needs_limits(promised: Guarantees) -> str | None:
+    return None if promised.account_limits else (
+        "the queue declares no per-account concurrency limits")
+
+
+def _needs_fencing(promised: Guarantees) -> str | None:
+    return None if promised.fencing else (
+        "the queue declares no fencing: a write after its lease was lost is not refused")
+
+
+def _needs_claims_counted(promised: Guarantees) -> str | None:
+    return None if promised.attempts_count == "claims" else (
+        "the queue counts max_attempts in finished attempts: a pick whose worker died is "
+        "not counted, so a job may be delivered more often than max_attempts")
 
 
 _ALL_LOGS = frozenset({ENQUEUES_FILE, DELIVERIES_DIR, WORKERS_DIR, NEMESIS_FILE,
@@ -86,13 +106,15 @@ ANOMALIES: tuple[Anomaly, ...] = (
             concurrent_delivery, held_back_by=frozenset({WORKERS_DIR, NEMESIS_FILE})),
     Anomaly("attempts_exceeded", "jobs",
             "more deliveries than max_attempts (or one after a permanent failure)",
-            attempts_exceeded, held_back_by=_EXPLAINED_BY),
+            attempts_exceeded, held_back_by=_EXPLAINED_BY,
+            not_applicable=_needs_claims_counted),
     Anomaly("early_retry", "deliveries",
             "a retry sent before the backoff allows",
             early_retry, held_back_by=_EXPLAINED_BY),
     Anomaly("limit_exceeded", "deliveries",
             "more deliveries of one account in flight than its limit",
-            limit_exceeded, held_back_by=frozenset({WORKERS_DIR})),
+            limit_exceeded, held_back_by=frozenset({WORKERS_DIR}),
+            not_applicable=_needs_limits),
     Anomaly("stuck", "jobs",
             "a job not finished after a completed drain",
             stuck),
@@ -101,6 +123,6 @@ ANOMALIES: tuple[Anomaly, ...] = (
             state_mismatch, held_back_by=_EXPLAINED_BY | {FINAL_JOBS_FILE}),
     Anomaly("stale_write", "writes",
             "a result applied after another worker claimed a later attempt",
-            stale_write),
+            stale_write, not_applicable=_needs_fencing),
 )
 BY_KIND = {a.kind: a for a in ANOMALIES}

