@@ -46,7 +46,13 @@ from typing import Any, assert_never
 from aiohttp import web
 
 from plumbing.orphans import die_with_parent, name_this_process
-from queue_impl.interface import ACCOUNT_HEADER, ATTEMPT_HEADER, JOB_ID_HEADER, WORKER_HEADER
+from queue_impl.interface import (
+    ACCOUNT_HEADER,
+    ATTEMPT_HEADER,
+    JOB_ID_HEADER,
+    LEASE_HEADER,
+    WORKER_HEADER,
+)
 from reports.history import (
     DELIVERIES_DIR,
     DELIVERY_LOG,
@@ -158,6 +164,7 @@ class _Open:
         "behaviour",
         "done",
         "job_id",
+        "lease",
         "left",
         "received",
         "seen",
@@ -175,8 +182,10 @@ class _Open:
         behaviour: str,
         seen: int,
         account_in_flight: int,
+        lease: str | None = None,
     ) -> None:
         self.job_id = job_id
+        self.lease = lease
         self.attempt = attempt
         self.account = account
         self.worker = worker
@@ -375,6 +384,7 @@ class EchoTarget:
         worker: str | None,
         received: float,
         script: JobScript | None,
+        lease: str | None = None,
     ) -> tuple[_Open, Step | None]:
         seen = self._seen.get(job_id, 0) + 1
         self._seen[job_id] = seen
@@ -392,6 +402,7 @@ class EchoTarget:
             attempt=attempt,
             account=account,
             worker=worker,
+            lease=lease,
             received=received,
             behaviour=BAD_REQUEST if step is None else step.behaviour.value,
             seen=seen,
@@ -432,6 +443,7 @@ class EchoTarget:
             behaviour=delivery.behaviour,
             seen=delivery.seen,
             account_in_flight=delivery.account_in_flight,
+            lease=delivery.lease,
         )
         # vars() rather than asdict(): the fields are flat, and asdict's deep copy would be
         # most of the hot path's cost.
@@ -505,6 +517,7 @@ class EchoTarget:
             attempt=_int_or_none(headers.get(ATTEMPT_HEADER)),
             account=headers.get(ACCOUNT_HEADER),
             worker=headers.get(WORKER_HEADER),
+            lease=headers.get(LEASE_HEADER),
             received=received,
             script=parsed if isinstance(parsed, JobScript) else None,
         )

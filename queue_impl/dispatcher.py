@@ -59,6 +59,7 @@ from queue_impl.interface import (
     ACCOUNT_HEADER,
     ATTEMPT_HEADER,
     JOB_ID_HEADER,
+    LEASE_HEADER,
     WORKER_HEADER,
     AttemptResult,
     Lease,
@@ -288,7 +289,8 @@ def claim_event(lease: Lease) -> dict[str, Any]:
 
 def http_event(lease: Lease, call: Call) -> dict[str, Any]:
     return {"job_id": str(lease.job_id), "attempt": lease.attempt, "start": call.start,
-            "end": call.end, "result": call.result, "status": call.status, "error": call.error}
+            "end": call.end, "result": call.result, "status": call.status, "error": call.error,
+            "lease_token": str(lease.lease_token)}
 
 
 def write_event(lease: Lease, outcome: Outcome, result: str, error: str | None,
@@ -296,7 +298,8 @@ def write_event(lease: Lease, outcome: Outcome, result: str, error: str | None,
     """A result write: `result` applied | fenced | info (unknown: the write may or may not
     have committed); `started` when its statement was first sent."""
     return {"job_id": str(lease.job_id), "attempt": lease.attempt, "outcome": outcome.value,
-            "result": result, "error": error, "started": started}
+            "result": result, "error": error, "started": started,
+            "lease_token": str(lease.lease_token)}
 
 
 class Deliverer:
@@ -405,6 +408,7 @@ class Deliverer:
             ATTEMPT_HEADER: str(lease.attempt),
             ACCOUNT_HEADER: lease.account_id,
             WORKER_HEADER: self.worker_id,
+            LEASE_HEADER: str(lease.lease_token),
         }
         timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         status: int | None = None

@@ -22,6 +22,8 @@ JOB_ID_HEADER = "X-Skiplock-Job-Id"
 ATTEMPT_HEADER = "X-Skiplock-Attempt"
 ACCOUNT_HEADER = "X-Skiplock-Account"
 WORKER_HEADER = "X-Skiplock-Worker"
+# The claim's lease token: names one pick of the job, whatever attempt number the queue gives.
+LEASE_HEADER = "X-Skiplock-Lease"
 
 
 class JobStatus(str, Enum):

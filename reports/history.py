@@ -196,6 +196,9 @@ class Delivery:
     # Deliveries of this account in flight at the target when this one arrived (this one
     # included).
     account_in_flight: int
+    # The claim's lease token from its header: which pick of the job this is, whatever the
+    # attempt number says. None when the worker sent none.
+    lease: str | None = None
 
 
 WorkerEventKind = Literal[
@@ -559,7 +562,8 @@ DELIVERY_LOG = LogFormat(
     what="delivery",
     columns=(("job_id", "str"), ("attempt", "num"), ("account", "str"), ("worker", "str"),
              ("target", "str"), ("received", "num"), ("answered", "num"), ("status", "num"),
-             ("behaviour", "str"), ("seen", "num"), ("account_in_flight", "num")),
+             ("behaviour", "str"), ("seen", "num"), ("account_in_flight", "num"),
+             ("lease", "str")),
 )
 # Every field any WorkerEventKind carries (see WorkerEventKind), flattened next to `kind`.
 WORKER_LOG = LogFormat(

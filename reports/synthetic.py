@@ -167,6 +167,7 @@ class RunBuilder:
         account: str | None = "acct-0",
         behaviour: str = "ok",
         target: str = "target-0",
+        lease: str | None = None,
     ) -> None:
         """A request the echo target received, as it records one."""
         seen = self._seen.get(job_id, 0) + 1
@@ -175,7 +176,7 @@ class RunBuilder:
             job_id=job_id, attempt=attempt, account=account, worker=worker, target=target,
             received=received, answered=answered,
             status=None if answered is None else status, behaviour=behaviour, seen=seen,
-            account_in_flight=1,
+            account_in_flight=1, lease=lease,
         ))))
 
     def event(self, kind: str, worker: str, time: float, *, job_id: str | None = None,
@@ -220,7 +221,8 @@ class RunBuilder:
         received = claimed + 0.001
         got = received + latency if answered else None
         self.deliver(job_id, attempt=attempt, received=received, answered=got, status=status,
-                     worker=worker, account=account, behaviour=behaviour)
+                     worker=worker, account=account, behaviour=behaviour,
+                     lease=str(lease.lease_token))
         end = received + min(latency, timeout) + 0.001
         call = self._call(status, claimed, end, timeout,
                           timed_out=got is None or latency >= timeout, result=result)

@@ -771,7 +771,7 @@ def test_layout_does_not_change_the_verdict(tmp_path: Path) -> None:
     for path in blank.rglob("*.csv"):
         path.write_text("".join(line + "\n\n" for line in path.read_text().splitlines()))
     assert (reordered / "deliveries" / "target-0.csv").read_text().startswith(
-        "note,account_in_flight,seen,")
+        "note,lease,account_in_flight,seen,")
     verdicts = [check_run([d]) for d in (compact, reordered, quoted, blank)]
     for other in verdicts[1:]:
         assert other.counts == verdicts[0].counts
@@ -811,7 +811,7 @@ def test_bad_line_after_blank_lines_is_named(tmp_path: Path) -> None:
     run_dir = b.write(tmp_path / "run")
     path = run_dir / "deliveries" / "target-0.csv"
     path.write_text(path.read_text() + "\n" + "a,one,acct-0,worker-0,target-0,101,101.1,200,"
-                    "ok,2,1\n")
+                    "ok,2,1,\n")
     with pytest.raises(HistoryError, match=r"target-0\.csv:4: delivery field attempt is "
                        "not a number"):
         check_run([run_dir])
@@ -1002,7 +1002,7 @@ def test_missing_nemesis_file_means_no_faults(tmp_path: Path) -> None:
         (lambda d: (d / "nemesis.jsonl").write_text('{"fault": "kill_worker"\n'),
          r"nemesis\.jsonl:1 is not valid JSON"),
         (lambda d: append(d / "deliveries" / "target-0.csv",
-                          "a,1,acct-0,worker-0,target-0,soon,,,ok,1,1\n"),
+                          "a,1,acct-0,worker-0,target-0,soon,,,ok,1,1,\n"),
          r"target-0\.csv:3: delivery field received is not a number"),
         (lambda d: append(d / "workers" / "worker-0.csv", WORKER_LOG.line(
             {"kind": "renew", "worker": "worker-0", "time": 1.0, "data": {"lost": True}})
@@ -1011,7 +1011,7 @@ def test_missing_nemesis_file_means_no_faults(tmp_path: Path) -> None:
         (lambda d: append(d / "final_jobs.csv", "a,acct-0,DONE,1,3,,,,\n"),
          r"final_jobs\.csv:3: unknown job status 'DONE'"),
         (lambda d: (d / "deliveries" / "target-0.csv").write_text(
-            "a,1,acct-0,worker-0,target-0,1.0,1.1,200,ok,1,1\n"),
+            "a,1,acct-0,worker-0,target-0,1.0,1.1,200,ok,1,1,\n"),
          r"target-0\.csv:1 is not a header of delivery columns"),
         (lambda d: (d / "deliveries" / "target-0.csv").write_text("job_id,attempt\na,1\n"),
          r"target-0\.csv:1: the header has no received column"),
