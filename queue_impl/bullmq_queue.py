@@ -40,6 +40,7 @@ from queue_impl.interface import (
     NewJob,
     WriteResult,
 )
+from queue_impl.native import NativeWorkerOnly
 
 GUARANTEES = Guarantees(account_limits=False, fencing=True, attempts_count="finished",
                         retry_cap=False, claim_transaction=False)
@@ -52,13 +53,6 @@ _SORTED_SETS = {"prioritized": JobStatus.PENDING, "delayed": JobStatus.PENDING,
                 "completed": JobStatus.COMPLETED, "failed": JobStatus.FAILED,
                 "waiting-children": JobStatus.PENDING}
 _SNAPSHOT_BATCH = 1000
-
-
-class NativeWorkerOnly(NotImplementedError):
-    """A call of skiplock's own dispatcher loop, which a native-worker queue never gets."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"bullmq runs BullMQ's own Worker loop; {name}() is never called")
 
 
 class BullmqQueue:
@@ -183,19 +177,19 @@ class BullmqQueue:
     # -- the dispatcher's calls, never made for a native-worker queue ---------------------
 
     def claim(self, worker_id: str, batch: int, lease: timedelta) -> list[Lease]:
-        raise NativeWorkerOnly("claim")
+        raise NativeWorkerOnly(self.name, "claim")
 
     def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
-        raise NativeWorkerOnly("finish")
+        raise NativeWorkerOnly(self.name, "finish")
 
     def renew(self, leases: Sequence[Lease], extend: timedelta) -> list[Lease | None]:
-        raise NativeWorkerOnly("renew")
+        raise NativeWorkerOnly(self.name, "renew")
 
     def release(self, leases: Sequence[Lease]) -> list[WriteResult]:
-        raise NativeWorkerOnly("release")
+        raise NativeWorkerOnly(self.name, "release")
 
     def recover(self, limit: int = 100) -> int:
-        raise NativeWorkerOnly("recover")
+        raise NativeWorkerOnly(self.name, "recover")
 
 
 def _text(value: bytes | None) -> str | None:

@@ -42,6 +42,13 @@ _TOKEN_NAMESPACE = uuid.UUID("5b0f5c1e-6a43-4a53-9a56-8f3d1a8e7c21")
 WriteOutcome = str  # "applied" | "fenced" | "info"
 
 
+class NativeWorkerOnly(NotImplementedError):
+    """A call of skiplock's own dispatcher loop, which a native-worker queue never gets."""
+
+    def __init__(self, queue: str, call: str) -> None:
+        super().__init__(f"{queue} runs its own worker loop; {call}() is never called")
+
+
 def lease_token_of(identity: str) -> uuid.UUID:
     """A lease token for one pick, from the library's own name for it."""
     return uuid.uuid5(_TOKEN_NAMESPACE, identity)
@@ -71,6 +78,7 @@ class NativeDelivery:
             after_success=lambda lease: self.failpoints.crash_if_fires(
                 "crash_after_http", lease, sink))
         self._running: dict[Hashable, _Running] = {}
+        self._claimed: set[uuid.UUID] = set()
 
     async def __aenter__(self) -> NativeDelivery:
         await self._deliverer.__aenter__()
@@ -79,11 +87,20 @@ class NativeDelivery:
     async def __aexit__(self, *exc_info: object) -> None:
         await self._deliverer.__aexit__(*exc_info)
 
-    async def run(self, key: Hashable, lease: Lease) -> Call:
-        """Record the claim, pass its failpoint, deliver; the call's outcome is remembered
-        under `key` for `written`."""
+    def claimed(self, lease: Lease) -> None:
+        """Record a claim when the library makes it (its dequeue returned the job), which
+        may be well before the job's handler runs; then pass its failpoint."""
+        self._claimed.add(lease.lease_token)
         self._sink("claim", claim_event(lease))
         self.failpoints.crash_if_fires("crash_after_claim", lease, self._sink)
+
+    async def run(self, key: Hashable, lease: Lease) -> Call:
+        """Record the claim (unless `claimed` did), deliver; the call's outcome is
+        remembered under `key` for `written`."""
+        if lease.lease_token in self._claimed:
+            self._claimed.discard(lease.lease_token)
+        else:
+            self.claimed(lease)
         call = await self._deliverer.deliver(lease)
         self._running[key] = _Running(lease, call.outcome, call.error, time.time())
         return call
@@ -129,4 +146,4 @@ def run_native_worker(backend: RunsOwnWorker, config: DispatcherConfig, worker_i
     asyncio.run(main())
 
 
-__all__ = ["NativeDelivery", "lease_token_of", "run_native_worker"]
+__all__ = ["NativeDelivery", "NativeWorkerOnly", "lease_token_of", "run_native_worker"]

@@ -200,20 +200,22 @@ class RunBuilder:
         result: str | None = None,
         write: str | None = "applied",
         answered: bool = True,
+        pick: str = "",
     ) -> float:
         """One attempt as a correct dispatcher records it, through the dispatcher's own
         event builders: claim, delivery at the target, HTTP event (a status judged as the
         dispatcher judges it; no answer within the timeout is a timeout), result write
         (`write`: applied, fenced, info, or None for none). `result` overrides what the
         worker made of the call, for a worker that gets it wrong ("ok": it took the answer
-        whenever it came). Returns the time the write was logged."""
+        whenever it came). `pick` tells apart two picks the queue gave one attempt number
+        (their lease tokens differ). Returns the time the write was logged."""
         lease_seconds = float(self.run_info["lease_seconds"])
         timeout = float(self.run_info["http_timeout_seconds"])
         lease = Lease(
             job_id=uuid.uuid5(uuid.NAMESPACE_URL, job_id), account_id=account,
             target_url="http://127.0.0.1:1/deliver", payload={}, attempt=attempt,
             max_attempts=self._max_attempts.get(job_id, 3),
-            lease_token=uuid.uuid5(uuid.NAMESPACE_URL, f"{job_id}-{attempt}"),
+            lease_token=uuid.uuid5(uuid.NAMESPACE_URL, f"{job_id}-{attempt}{pick}"),
             locked_until=datetime.fromtimestamp(claimed + lease_seconds, UTC),
             worker_id=worker,
         )

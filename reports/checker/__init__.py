@@ -184,6 +184,9 @@ def check_run(run_dirs: Sequence[Path], *,
     else:
         valid = True
     details["worker_files"] = history.worker_files
+    if history.repicks:
+        # Claims of a job under the number of an earlier pick, told apart by lease token.
+        details["repicks_keyed_by_lease"] = history.repicks
     return Verdict(
         valid=valid,
         counts=found.counts,

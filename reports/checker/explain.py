@@ -70,12 +70,14 @@ class Explainer:
         self.faults = [f for f in history.faults if not f.get("skipped")]
         ev = history.events
         subset = ev[ev["job"].isin(jobs)] if len(jobs) else ev.iloc[:0]
-        self.by_attempt: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
-        self.attempts_of: dict[int, set[int]] = defaultdict(set)
+        # Keyed by the attempt as read: a whole number, or a re-pick's key a fraction above
+        # it (load.key_picks_by_lease).
+        self.by_attempt: dict[tuple[int, float], list[dict[str, Any]]] = defaultdict(list)
+        self.attempts_of: dict[int, set[float]] = defaultdict(set)
         data = history.event_data
         for rec, value in zip(records(subset), data.pick(subset.index.to_numpy()), strict=True):
             if not math.isnan(rec["attempt"]):
-                key = (int(rec["job"]), int(rec["attempt"]))
+                key = (int(rec["job"]), float(rec["attempt"]))
                 self.by_attempt[key].append(_with_data(rec, value))
                 self.attempts_of[key[0]].add(key[1])
         # Worker-wide deaths: a failpoint or an error stop ends every lease the worker held.
@@ -89,7 +91,7 @@ class Explainer:
     def _events(self, job: int, attempt: float) -> list[dict[str, Any]]:
         if math.isnan(attempt):
             return []
-        return self.by_attempt.get((job, int(attempt)), [])
+        return self.by_attempt.get((job, float(attempt)), [])
 
     def worker_of(self, job: int, attempt: float, header: Any) -> str | None:
         if isinstance(header, str) and header:
@@ -262,7 +264,7 @@ class Explainer:
                 r["kind"] == "http" and r["result"] in ("timeout", "connection_error")
                 for r in self.by_attempt[(job, a)]))
         if unreached and reached.union(unreached) == set(range(1, max_attempts + 1)):
-            return unreached
+            return [int(a) for a in unreached]
         return None
 
     def ran_normally(self, job: int, attempt: float) -> bool:
@@ -271,7 +273,7 @@ class Explainer:
         deliveries the oracle counts, never one a fault took away."""
         if math.isnan(attempt):
             return False
-        events = self.by_attempt.get((job, int(attempt)), ())
+        events = self.by_attempt.get((job, float(attempt)), ())
         return (sum(r["kind"] == "claim" for r in events) == 1
                 and any(r["kind"] == "http" and r["result"] in ("ok", "http_error")
                         for r in events)
@@ -285,9 +287,10 @@ class Explainer:
             events = self.by_attempt[(job, attempt)]
             for rec in events:
                 if rec["kind"] == "failpoint":
-                    return f"failpoint {rec['name']} fired for attempt {attempt}"
+                    return f"failpoint {rec['name']} fired for attempt {attempt_label(attempt)}"
                 if rec["kind"] == "write" and rec["result"] == "info":
-                    return f"the result write of attempt {attempt} was lost with its connection"
+                    return (f"the result write of attempt {attempt_label(attempt)} was lost "
+                            "with its connection")
             why = self._attempt_hit(job, attempt, events)
             if why is not None:
                 return why
@@ -299,7 +302,7 @@ class Explainer:
                 return f"{fault['fault']} hit attempt {fault['attempt']}"
         return None
 
-    def _attempt_hit(self, job: int, attempt: int, events: list[dict[str, Any]]) -> str | None:
+    def _attempt_hit(self, job: int, attempt: float, events: list[dict[str, Any]]) -> str | None:
         """A death or a fault inside a claimed attempt that did not run normally."""
         claims = [r for r in events if r["kind"] == "claim"]
         if not claims:
@@ -320,16 +323,17 @@ class Explainer:
         lo, hi = start - self.tol, close + self.tol
         for death in self.deaths.get(worker, ()):
             if lo <= death["time"] <= hi:
-                return f"{worker} died while it held attempt {attempt}"
+                return f"{worker} died while it held attempt {attempt_label(attempt)}"
         for fault in self.faults:
             kind = fault["fault"]
             hits = (kind in WORKER_FAULTS and fault["target"] == worker) or (
                 kind in DATABASE_FAULTS)
             if hits and fault["start"] <= hi and fault_end(fault) >= lo:
-                return f"{kind} at {fault_span(fault)} overlaps attempt {attempt}"
+                return (f"{kind} at {fault_span(fault)} overlaps attempt "
+                        f"{attempt_label(attempt)}")
         return self._target_down(attempt, events, lo)
 
-    def _target_down(self, attempt: int, events: list[dict[str, Any]], lo: float) -> str | None:
+    def _target_down(self, attempt: float, events: list[dict[str, Any]], lo: float) -> str | None:
         """A call that timed out or could not connect while the target was hung or down:
         the fault, not the queue, used up this attempt (the target may not have recorded it
         at all). The call lies between the claim (`lo`) and its end."""
@@ -342,7 +346,7 @@ class Explainer:
                         and fault_end(fault) >= lo):
                     return (f"{fault['fault']} on {fault['target'] or 'the target'} at "
                             f"{fault_span(fault)} overlaps the failed call of attempt "
-                            f"{attempt}")
+                            f"{attempt_label(attempt)}")
         return None
 
     def _unlogged_claim(self, job: int, max_attempts: int) -> str | None:
@@ -355,15 +359,15 @@ class Explainer:
         seen = self.attempts_of.get(job, set())
         if not seen:
             return None
-        first_claim: dict[int, float] = {}
-        last_event: dict[int, float] = {}
+        first_claim: dict[float, float] = {}
+        last_event: dict[float, float] = {}
         for number in seen:
             times = [float(r["time"]) for r in self.by_attempt[(job, number)]]
             claims = [float(r["time"]) for r in self.by_attempt[(job, number)]
                       if r["kind"] == "claim"]
             first_claim[number] = min(claims or times)
             last_event[number] = max(times)
-        for missing in sorted(set(range(1, max(max(seen), max_attempts) + 1)) - seen):
+        for missing in sorted(set(range(1, int(max(max(seen), max_attempts)) + 1)) - seen):
             before = [n for n in seen if n < missing]
             after = [n for n in seen if n > missing]
             lo = (last_event[max(before)] if before else -math.inf) - self.tol

@@ -134,7 +134,7 @@ def _nest_script(batch: pa.RecordBatch) -> pa.RecordBatch:
 # reported (`locked_until`) is never used: leases run the configured length. `op` names the
 # call an `error` event says failed.
 _EVENT_DATA = ("result", "name", "lost", "error", "reason", "outcome", "started", "end", "op")
-_EVENT_BASE = ("kind", "worker", "time", "job_id", "attempt")
+_EVENT_BASE = ("kind", "worker", "time", "job_id", "attempt", "lease_token")
 
 
 def _nest_event_data(batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -152,7 +152,7 @@ _ENQUEUES = _csv_source(
     required=("type", "job_id"), filled="type", nest=_nest_script)
 _DELIVERIES = _csv_source(
     DELIVERY_LOG, ("job_id", "attempt", "account", "worker", "target", "received", "answered",
-                   "status", "behaviour"),
+                   "status", "behaviour", "lease"),
     required=("job_id", "received"), filled="received")
 _EVENTS = _csv_source(
     WORKER_LOG, (*_EVENT_BASE, *_EVENT_DATA),
@@ -849,6 +849,8 @@ class History:
     truncated: list[str]  # why each file cut off is: "<path> is truncated mid-line"
     cut: dict[str, str]  # each file cut off -> the kind of log it is (its file or directory)
     worker_files: int
+    # Claims keyed apart from an earlier pick of the same attempt number (key_picks_by_lease).
+    repicks: int = 0
 
 
 _SCRIPT_PART_KEYS = ("behaviour", "status", "seconds")
@@ -889,6 +891,11 @@ def read_history(run_dirs: Sequence[Path]) -> History:
     enq.require_str("job_id", "enqueue")
     fin.require_str("job_id", "final job state")
     jobs = _Jobs.read(enq, (enq, dl, ev, fin))
+    deliveries, events = _deliveries(dl, jobs), _events(ev, jobs)
+    repicks = 0
+    if config.guarantees.attempts_count != "claims":
+        repicks = key_picks_by_lease(events, ev.columns["lease_token"], deliveries,
+                                     dl.columns["lease"])
     return History(
         config=config,
         job_ids=jobs.job_ids,
@@ -897,8 +904,8 @@ def read_history(run_dirs: Sequence[Path]) -> History:
         job_script=jobs.script_codes,
         scripts=jobs.scripts,
         job_ack=jobs.ack,
-        deliveries=_deliveries(dl, jobs),
-        events=_events(ev, jobs),
+        deliveries=deliveries,
+        events=events,
         event_data=ev.nested["data"],
         faults=_faults(nem),
         final=_finals(fin, jobs),
@@ -908,7 +915,49 @@ def read_history(run_dirs: Sequence[Path]) -> History:
                    for p in read if p.truncated],
         cut=cut,
         worker_files=len(kinds[2][1]),
+        repicks=repicks,
     )
+
+
+# A second pick of a job under the attempt number of an earlier one is keyed a fraction above
+# it: ordered, never equal, and the queue's own number where a whole number is read (the
+# backoff it owes, what the sentence says).
+REPICK_STEP = 1 / 64
+
+
+def key_picks_by_lease(events: pd.DataFrame, event_leases: Any, deliveries: pd.DataFrame,
+                       delivery_leases: Any) -> int:
+    """Key every record of a pick by its lease token, for a queue whose attempt number does
+    not name a claim (it counts finished attempts, so a pick after a stall keeps the number).
+    Each job's claims under one number are ranked by time; the k-th distinct lease becomes
+    `attempt + k * REPICK_STEP` in every event and delivery that carries its token, so re-picks,
+    their calls, their writes and the target's deliveries are told apart and paired whatever
+    numbering the queue uses. Returns how many claims were re-picks. Records without a token
+    keep their number."""
+    leases = pd.Series(np.asarray(event_leases, dtype=object), index=events.index)
+    claims = events[(events["kind"] == "claim") & leases.notna()
+                    & ~np.isnan(events["attempt"].to_numpy())]
+    if not len(claims):
+        return 0
+    table = pd.DataFrame({"job": claims["job"].to_numpy(),
+                          "attempt": claims["attempt"].to_numpy(),
+                          "lease": leases[claims.index].to_numpy(),
+                          "time": claims["time"].to_numpy()}).sort_values("time", kind="stable")
+    table = table.drop_duplicates("lease")
+    rank = table.groupby(["job", "attempt"], sort=False).cumcount().to_numpy()
+    if not rank.any():
+        return 0
+    keys = dict(zip(table["lease"].tolist(),
+                    (table["attempt"].to_numpy() + rank * REPICK_STEP).tolist(), strict=True))
+    for frame, column in ((events, leases.to_numpy()),
+                          (deliveries, np.asarray(delivery_leases, dtype=object))):
+        mapped = pd.Series(column).map(keys).to_numpy(dtype=np.float64, na_value=np.nan)
+        known = ~np.isnan(mapped)
+        if known.any():
+            attempt = frame["attempt"].to_numpy(dtype=np.float64, copy=True)
+            attempt[known] = mapped[known]
+            frame["attempt"] = attempt
+    return int((rank > 0).sum())
 
 
 def _run_dirs(run_dirs: Sequence[Path]) -> list[Path]:

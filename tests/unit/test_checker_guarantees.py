@@ -4,6 +4,7 @@ or broken. The same histories are violations under the reference's promises."""
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,53 @@ def test_a_malformed_declaration_is_bad_input(tmp_path: Path, declared: object,
 def test_guarantees_round_trip_through_json() -> None:
     assert Guarantees.from_json(BULLMQ.to_json()) == BULLMQ
     assert Guarantees.from_json({}) == REFERENCE_GUARANTEES
+
+
+# -- identity by lease: a queue whose numbers do not name a claim --------------------------
+
+FINISHED = Guarantees(account_limits=True, fencing=True, attempts_count="finished",
+                      retry_cap=True, claim_transaction=True)
+
+
+def _stale_write(second_number: int) -> RunBuilder:
+    """worker-0's pick of attempt 1 is paused past its lease; worker-1 picks the job again
+    (numbered `second_number` by the queue) and completes it; worker-0 wakes and its write
+    is applied though another pick holds the job."""
+    b = RunBuilder(guarantees=FINISHED.to_json())
+    b.enqueue("j", script=SUCCEED)
+    b.attempt("j", 1, claimed=100.0, write=None, pick="a", worker="worker-0")
+    b.fault("pause_worker", 100.05, 115.0, target="worker-0")
+    b.attempt("j", second_number, claimed=111.0, pick="b", worker="worker-1")
+    b.event("write", "worker-0", 115.1, job_id="j", attempt=1, outcome="success",
+            result="applied", error=None,
+            lease_token=str(uuid.uuid5(uuid.NAMESPACE_URL, "j-1a")))
+    b.final("j", "COMPLETED", attempts=second_number)
+    return b
+
+
+def _concurrent(second_number: int) -> RunBuilder:
+    """worker-1 picks the job again while worker-0's pick still holds its lease and its
+    call is still at the target."""
+    b = RunBuilder(guarantees=FINISHED.to_json())
+    b.enqueue("j", script=SUCCEED)
+    b.attempt("j", 1, claimed=100.0, latency=0.5, pick="a", worker="worker-0")
+    b.attempt("j", second_number, claimed=100.1, status=503, behaviour="status", pick="b",
+              worker="worker-1", write="fenced")
+    b.final("j", "COMPLETED")
+    return b
+
+
+@pytest.mark.parametrize(("build", "kind"), [(_stale_write, "stale_write"),
+                                             (_concurrent, "concurrent_delivery")])
+def test_a_verdict_does_not_depend_on_how_the_queue_numbers_picks(
+        tmp_path: Path, build: object, kind: str) -> None:
+    """The same history, the second pick numbered as the first (pgqueuer after a stall) or
+    as the next: keyed by lease, both give the same anomaly and the same verdict."""
+    verdicts = [check_run([build(n).write(tmp_path / f"n{n}")])  # type: ignore[operator]
+                for n in (1, 2)]
+    for verdict in verdicts:
+        assert verdict.valid is False
+        assert verdict.counts[kind] == 1
+    assert verdicts[0].counts == verdicts[1].counts
+    assert verdicts[0].details["repicks_keyed_by_lease"] == 1
+    assert "repicks_keyed_by_lease" not in verdicts[1].details

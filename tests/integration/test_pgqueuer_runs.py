@@ -1,0 +1,68 @@
+"""pgqueuer, a third-party PostgreSQL queue, under test as its users deploy it: its own
+QueueManager in every worker process (`queue_impl.pgqueuer_backend`), judged by the same
+checker against the promises it declares, with picks told apart by lease token."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pgqueuer", reason="pgqueuer is the optional extra skiplock[pgqueuer]")
+pytest.importorskip("asyncpg", reason="pgqueuer's asyncpg driver: skiplock[pgqueuer]")
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+BACKEND = "queue_impl.pgqueuer_backend:factory"
+
+
+def _run(scenario: str, out: Path, pg_dsn: str, *extra: str) -> tuple[dict, Path]:
+    done = subprocess.run(
+        [sys.executable, "-m", "scenarios.cli", "run", scenario, "--backend", BACKEND,
+         "--out", str(out), "--quiet", "--json", "--no-report", "--seed", "5", *extra],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "SKIPLOCK_PG_DSN": pg_dsn})
+    assert "Traceback" not in done.stderr, done.stderr
+    (run_dir,) = out.iterdir()
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    return json.loads(done.stdout), run_dir
+
+
+def test_steady_on_pgqueuer(pg_dsn: str, tmp_path: Path) -> None:
+    verdict, run_dir = _run("steady", tmp_path / "runs", pg_dsn, "--duration", "3")
+    assert verdict["valid"] is True
+    counts = verdict["counts"]
+    assert counts["completed"] == counts["enqueued"] == counts["delivered"] > 100
+    # Its accounts' limits are pgqueuer's entrypoint limits, so they are judged; fencing and
+    # a max_attempts counted per claim are not promised.
+    assert set(verdict["details"]["not_applicable"]) == {"stale_write", "attempts_exceeded"}
+    spec = json.loads((run_dir / "spec.json").read_text())
+    assert spec["guarantees"] == {"account_limits": True, "fencing": False,
+                                  "attempts_count": "finished", "retry_cap": True,
+                                  "claim_transaction": False}
+
+
+def test_kill_workers_on_pgqueuer_repicks_are_keyed_by_lease(pg_dsn: str,
+                                                             tmp_path: Path) -> None:
+    verdict, _ = _run("kill-workers", tmp_path / "runs", pg_dsn)
+    assert verdict["valid"] is True, verdict
+    # Killed workers' jobs are picked again once their heartbeat stops, under the same
+    # attempt number: each such pick is keyed apart, and every redelivery is explained.
+    assert verdict["details"]["repicks_keyed_by_lease"] > 0
+    assert verdict["counts"]["duplicate_explained"] > 0
+
+
+def test_a_setting_pgqueuer_cannot_honour_is_refused(pg_dsn: str, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "scenarios.cli", "run", "exhaust-attempts", "--backend",
+         BACKEND, "--out", str(tmp_path / "runs")],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "SKIPLOCK_PG_DSN": pg_dsn})
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "has no claim transaction to pause in" in line
