@@ -114,8 +114,12 @@ def _summary_sentence(run: RunData) -> str:
     if not counts:
         return "no verdict: the run was not judged"
     violated = {k: v for k, v in counts.items() if k in VIOLATIONS and v}
-    tail = ("every guarantee held" if not violated else
+    not_applicable = ((run.verdict or {}).get("details") or {}).get("not_applicable") or {}
+    tail = (("every guarantee the queue declares held" if not_applicable
+             else "every guarantee held") if not violated else
             "violated: " + ", ".join(f"{v} {k}" for k, v in violated.items()))
+    if not_applicable:
+        tail += f" ({len(not_applicable)} not applicable: {', '.join(not_applicable)})"
     return (f"{counts.get('enqueued', '?')} jobs enqueued, {counts.get('delivered', '?')} "
             f"deliveries, {counts.get('completed', '?')} completed, "
             f"{counts.get('failed', '?')} dead-lettered; {tail}")
