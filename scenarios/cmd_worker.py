@@ -30,7 +30,12 @@ from queue_impl.dispatcher import (
     DispatcherConfig,
     validate_worker_count,
 )
-from queue_impl.plugins import BACKEND_NAMES, BackendSpec, validate_backend_name
+from queue_impl.plugins import (
+    BACKEND_NAMES,
+    REDIS_BACKENDS,
+    BackendSpec,
+    validate_backend_name,
+)
 from reports.history import LOG_SUFFIX
 from scenarios.cmd_run import backend_options
 from scenarios.provision import DSN_ENV, postgres
@@ -178,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
         if options and args.backend in BACKEND_NAMES:
             raise ValueError(f"backend {args.backend!r} takes no --backend-opt (options are "
                              "passed to a package.module:factory plug-in's factory)")
+        if args.backend in REDIS_BACKENDS:
+            raise ValueError(f"worker serves a queue on PostgreSQL; backend "
+                             f"{args.backend!r} keeps its queue in Redis: run it with "
+                             "`skiplock run SCENARIO --backend bullmq`")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if not (args.dsn or os.environ.get(DSN_ENV)):

@@ -473,7 +473,7 @@ dsns: st.SearchStrategy[str] = st.one_of(
 # modules that are no queue factory (never an arbitrary module: importing one may act).
 _FACTORY_SYNTAX = re.compile(r"^[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 backends: st.SearchStrategy[str] = st.one_of(
-    st.sampled_from([*BACKEND_NAMES, "pg", "PG", "pg-naive ", "memory", "json:loads",
+    st.sampled_from([*BACKEND_NAMES, "bullmq", "pg", "PG", "pg-naive ", "memory", "json:loads",
                      "json:nope", "os.path:join", "skiplock_no_such_module_xyz:factory",
                      "queue_impl.memory:MemoryQueue", "scenarios.spec:SCALAR_KEYS", ":", "a:",
                      ":b", "a.:b", "1a:b"]),
@@ -845,9 +845,14 @@ set_items = st.one_of(
     garbage)
 
 
+redis_urls = st.one_of(garbage, st.sampled_from(
+    ["redis://127.0.0.1:1/0", "redis://:pw@127.0.0.1:1/0", "http://x", "", "redis://[::1"]))
+
+
 def _scenario_options() -> dict[str, st.SearchStrategy[str] | None]:
     return {
-        "--backend": backends, "--seed": int_text, "--out": paths, "--dsn": dsns,
+        "--backend": backends, "--redis-url": redis_urls, "--seed": int_text, "--out": paths,
+        "--dsn": dsns,
         "--sql": sql_paths, "--schema": garbage, "--no-recovery": None,
         "--duration": number_text, "--warmup": number_text, "--drain-timeout": number_text,
         "--workers": int_text, "--rate": number_text, "--producers": int_text,
@@ -948,8 +953,6 @@ def bench_lines(draw: st.DrawFn) -> Line:
                                   "nope", ""]))
     words = ["bench"] + ([which] if which else [])
     allowed = {2}
-    redis_urls = st.one_of(garbage, st.sampled_from(
-        ["redis://127.0.0.1:1/0", "redis://:pw@127.0.0.1:1/0", "http://x", "", "redis://[::1"]))
     if which == "queue":
         words += _flags(draw, {"--workers": int_text, "--batch": int_text,
                                "--duration": number_text, "--prefill": int_text,
