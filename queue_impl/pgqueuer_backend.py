@@ -195,7 +195,7 @@ class PgqueuerQueue:
                          stop: asyncio.Event) -> None:
         policy = dataclasses.replace(config.retry_policy(), rng=random.Random(
             f"retry:{config.seed}:{worker_id}" if config.seed is not None else None))
-        conn = await asyncpg.connect(**_asyncpg_params(self.dsn),
+        conn = await asyncpg.connect(**asyncpg_params(self.dsn),
                                      server_settings={"search_path": self.schema})
         reason = "stopped"
         try:
@@ -256,7 +256,7 @@ class PgqueuerQueue:
         return False
 
 
-def _asyncpg_params(dsn: str) -> dict[str, Any]:
+def asyncpg_params(dsn: str) -> dict[str, Any]:
     """libpq's reading of the DSN (a URI or key=value pairs) as asyncpg's keywords."""
     params = conninfo_to_dict(dsn)
     names = {"host": "host", "port": "port", "user": "user", "password": "password",

@@ -60,14 +60,19 @@ async def _prefill(dsn: str, count: int) -> float:
 
 
 async def _work(dsn: str, batch: int, duration: float, ready: Any, go: Any) -> None:
-    from pgqueuer.db import PsycopgDriver
+    import asyncpg
+    from pgqueuer.db import AsyncpgDriver
     from pgqueuer.domain.types import QueueExecutionMode
     from pgqueuer.qm import QueueManager
     from pgqueuer.queries import Queries
 
-    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    from queue_impl.pgqueuer_backend import asyncpg_params
+
+    # asyncpg, as pgqueuer's own quick start runs it: its psycopg driver's listener holds
+    # the connection up to a second at a time waiting for notifications.
+    conn = await asyncpg.connect(**asyncpg_params(dsn))
     try:
-        manager = QueueManager(Queries(PsycopgDriver(conn)))
+        manager = QueueManager(Queries(AsyncpgDriver(conn)))
 
         @manager.entrypoint(ENTRYPOINT)
         async def handle(_job: Any) -> None:
@@ -142,4 +147,4 @@ def pgqueuer_phase(dsn: str, *, workers: int, batch: int, duration: float,
     jobs = before - left
     return {"jobs": jobs, "seconds": duration, "jobs_per_second": jobs / duration,
             "ran_dry": left == 0, "version": version,
-            "driver": "pgqueuer QueueManager (psycopg async), multiprocess fork"}
+            "driver": "pgqueuer QueueManager (asyncpg), multiprocess fork"}
