@@ -21,6 +21,11 @@ class UsageError(Exception):
     exit_code = 2
 
 
+class Unhonoured(UsageError):
+    """A scenario setting the system under test cannot honour (a promise it does not make):
+    bad input for one run, exit 2; the gate lists such a case as not applicable."""
+
+
 class HarnessError(Exception):
     """The harness itself failed (a server would not start, a child died): exit code 4."""
 

@@ -23,7 +23,7 @@ from scenarios.provision import DSN_ENV, check_reachable
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="pg",
                         help="system under test: pg (default), pg-naive, pg-for-update,"
-                        " pg-long-tx, or package.module:factory")
+                        " pg-long-tx, bullmq, or package.module:factory")
     parser.add_argument("--backend-opt", dest="backend_opts", action="append", default=[],
                         metavar="KEY=VALUE",
                         help="an option for a package.module:factory plug-in, passed to its "
@@ -90,10 +90,13 @@ def run(args: argparse.Namespace) -> int:
                        html=not args.no_report)
     counts = summary.to_json()["counts"]
     verdict = {0: "[green]PASSED[/]", 1: "[bold red]FAILED: a guarantee was violated[/]",
+               2: "[bold red]NOTHING JUDGED: no scenario applies to this backend[/]",
                3: "[yellow]UNDECIDED: some runs could not be judged[/]"}.get(
         summary.exit_code, "[bold red]HARNESS FAILURE[/]")
+    not_applicable = (f", {counts['not_applicable']} not applicable"
+                      if counts["not_applicable"] else "")
     out.print(f"gate {verdict}: {counts['pass']} passed, {counts['fail']} failed,"
-              f" {counts['unknown']} unknown, {counts['error']} errors in"
+              f" {counts['unknown']} unknown, {counts['error']} errors{not_applicable} in"
               f" {summary.seconds:.0f} s; {args.out / 'report.html'},"
               f" {args.out / 'junit.xml'},"
               f" {args.out / 'summary.json'}")

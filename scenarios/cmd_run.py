@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from chaos.nemesis import NemesisError, check_schedule, shortcut
-from plumbing.errors import UsageError
+from plumbing.errors import Unhonoured, UsageError
 from scenarios.provision import DSN_ENV, PgServer
 from scenarios.spec import ScenarioSpec, SpecError, available, load
 
@@ -152,7 +152,7 @@ def check_honoured(spec: ScenarioSpec, backend: str) -> None:
              else BULLMQ if backend in REDIS_BACKENDS else None)
     refusal = unhonoured(spec, backend, known) if known is not None else None
     if refusal is not None:
-        raise UsageError(refusal)
+        raise Unhonoured(refusal)
 
 
 def check_redis_url(backend: str, url: str | None) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plumbing.errors import HarnessError, UsageError
+from plumbing.errors import HarnessError, Unhonoured, UsageError
 
 # The suite, in the order it runs. Each entry is a scenario of scenarios/specs/.
 SUITE: tuple[str, ...] = (
@@ -60,9 +60,14 @@ class CaseResult:
     unknown_reasons: list[str] = field(default_factory=list)
     run_dir: str | None = None
     error: str | None = None
+    # Why the backend cannot run this scenario as written (a promise it does not make):
+    # the case is listed, not run, and neither passes nor fails the gate.
+    not_applicable: str | None = None
 
     @property
     def outcome(self) -> str:
+        if self.not_applicable is not None:
+            return "n/a"
         return {0: "pass", 1: "FAIL", 3: "unknown"}.get(self.exit_code, "ERROR")
 
     def violations(self) -> dict[str, int]:
@@ -72,6 +77,8 @@ class CaseResult:
 
     def message(self) -> str:
         """One line: what broke, with the first examples."""
+        if self.not_applicable is not None:
+            return f"not applicable: {self.not_applicable}"
         if self.error:
             return self.error
         if self.exit_code == 3:
@@ -98,6 +105,7 @@ class CaseResult:
             "unknown_reasons": self.unknown_reasons,
             "run_dir": self.run_dir,
             "error": self.error,
+            "not_applicable": self.not_applicable,
         }
 
 
@@ -113,6 +121,8 @@ class GateSummary:
 
     @property
     def exit_code(self) -> int:
+        if self.results and all(r.not_applicable is not None for r in self.results):
+            return 2  # nothing was judged: no case applies to this backend
         codes = {r.exit_code for r in self.results}
         if 1 in codes:
             return 1
@@ -137,7 +147,8 @@ class GateSummary:
             "interrupted": self.interrupted,
             "counts": {
                 "runs": len(self.results),
-                "pass": sum(r.exit_code == 0 for r in self.results),
+                "pass": sum(r.outcome == "pass" for r in self.results),
+                "not_applicable": sum(r.not_applicable is not None for r in self.results),
                 "fail": sum(r.exit_code == 1 for r in self.results),
                 "unknown": sum(r.exit_code == 3 for r in self.results),
                 "error": sum(r.exit_code not in (0, 1, 3) for r in self.results),
@@ -209,6 +220,9 @@ def run_case(scenario: str, seed: int, *, server: Any, backend: str, sql_path: s
     started = time.monotonic()
     try:
         result = run_scenario(spec, options)
+    except Unhonoured as exc:
+        return CaseResult(scenario=spec.name, seed=seed, exit_code=0, valid=None,
+                          seconds=time.monotonic() - started, not_applicable=str(exc))
     except HarnessError as exc:
         return CaseResult(scenario=spec.name, seed=seed, exit_code=exc.exit_code, valid=None,
                           seconds=time.monotonic() - started,
@@ -274,7 +288,8 @@ def write_results(out: Path, summary: GateSummary) -> None:
     write_index(f"skiplock gate: backend {summary.backend}"
                 + (f", sql {summary.sql_path}" if summary.sql_path else ""),
                 [{"case": f"{r.scenario} seed {r.seed}", "outcome": r.outcome,
-                  "seconds": r.seconds, "message": "" if r.exit_code == 0 else r.message(),
+                  "seconds": r.seconds,
+                  "message": "" if r.outcome == "pass" else r.message(),
                   "run_dir": r.run_dir} for r in summary.results], out / REPORT_FILE)
 
 
@@ -287,6 +302,7 @@ def junit(summary: GateSummary) -> ET.ElementTree:
         "tests": str(len(results)),
         "failures": str(sum(r.exit_code == 1 for r in results)),
         "errors": str(sum(r.exit_code not in (0, 1) for r in results)),
+        "skipped": str(sum(r.not_applicable is not None for r in results)),
         "time": f"{summary.seconds:.1f}",
     })
     props = ET.SubElement(suite, "properties")
@@ -301,7 +317,9 @@ def junit(summary: GateSummary) -> ET.ElementTree:
         })
         body = json.dumps({"counts": r.counts, "examples": r.examples,
                            "run_dir": r.run_dir}, indent=1, default=str)
-        if r.exit_code == 1:
+        if r.not_applicable is not None:
+            ET.SubElement(case, "skipped", {"message": r.message()})
+        elif r.exit_code == 1:
             ET.SubElement(case, "failure", {"message": r.message(),
                                             "type": "guarantee violated"}).text = body
         elif r.exit_code != 0:
@@ -316,7 +334,7 @@ def line(result: CaseResult) -> str:
     """The gate's one line for a case."""
     head = f"{result.outcome:<7} {result.scenario:<17} seed={result.seed:<11} " \
            f"{result.seconds:5.1f}s"
-    if result.exit_code == 0:
+    if result.exit_code == 0 and result.not_applicable is None:
         c = result.counts
         return (f"{head}  enqueued={c.get('enqueued', 0)} "
                 f"duplicates explained={c.get('duplicate_explained', 0)} "

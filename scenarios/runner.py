@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import psycopg
 from psycopg import sql
 
-from plumbing.errors import HarnessError, UsageError
+from plumbing.errors import HarnessError, Unhonoured, UsageError
 from queue_impl.dispatcher import DispatcherConfig
 from queue_impl.interface import (
     Account,
@@ -811,7 +811,7 @@ def _set_up_queue(run: _RunState, stack: contextlib.ExitStack, server: PgServer)
     refusal = unhonoured(run.spec, options.backend, promised)
     if refusal is not None:
         run.refused = True
-        raise UsageError(refusal)
+        raise Unhonoured(refusal)
     run.description["guarantees"] = promised.to_json()
     try:
         queue.setup()

@@ -96,3 +96,19 @@ def test_a_fault_bullmq_cannot_feel_is_refused(pg_dsn: str, tmp_path: Path, scen
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("skiplock: backend 'bullmq'") and expected in line
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_gate_on_bullmq_lists_what_does_not_apply(pg_dsn: str, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != REDIS_URL_ENV}
+    done = subprocess.run(
+        [sys.executable, "-m", "scenarios.cli", "gate", "--backend", "bullmq", "--only",
+         "db-faults,long-calls", "--seed", "1", "--no-report", "--out", str(tmp_path / "gate")],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        env={**env, "SKIPLOCK_PG_DSN": pg_dsn})
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    assert "1 passed, 0 failed, 0 unknown, 0 errors, 1 not applicable" in done.stdout
+    summary = json.loads((tmp_path / "gate" / "summary.json").read_text())
+    outcomes = {r["scenario"]: r["outcome"] for r in summary["results"]}
+    assert outcomes == {"db-faults": "n/a", "long-calls": "pass"}
+    junit = (tmp_path / "gate" / "junit.xml").read_text()
+    assert 'skipped="1"' in junit and "acts on PostgreSQL" in junit
