@@ -16,7 +16,8 @@ What BullMQ promises, declared in `GUARANTEES` and recorded in the run's spec.js
   times than `attempts`; after `maxStalledCount` (1) stalls it is failed without running;
 - the retry wait is `base * 2^(attempts made - 1)`, uncapped and unjittered: at or above the
   reference's minimum wait, but it cannot honour a cap that binds;
-- no claim transaction to stall (the pause_in_claim fault).
+- no claim transaction to stall (the pause_in_claim fault);
+- its stalled-job check always runs (recovery cannot be switched off here).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from queue_impl.interface import (
 from queue_impl.native import NativeWorkerOnly
 
 GUARANTEES = Guarantees(account_limits=False, fencing=True, attempts_count="finished",
-                        retry_cap=False, claim_transaction=False)
+                        retry_cap=False, claim_transaction=False, recovery_switch=False)
 
 # BullMQ's sets and lists of job ids, and the status each means here. A delayed job that has
 # made an attempt waits for its retry; one that has not was added with a delay.
@@ -128,12 +129,17 @@ class BullmqQueue:
 
     def snapshot(self) -> list[JobState]:
         client = self._redis()
+        # Every set read in one MULTI/EXEC: a job moving from one to another between two
+        # reads would otherwise be missed, and a drain could end while it was live.
+        with client.pipeline(transaction=True) as pipe:
+            for name in _LISTS:
+                pipe.lrange(self._keys[name], 0, -1)
+            for name in _SORTED_SETS:
+                pipe.zrange(self._keys[name], 0, -1)
+            members = pipe.execute()
         where: dict[str, str] = {}
-        for name in _LISTS:
-            for raw in client.lrange(self._keys[name], 0, -1):
-                where[raw.decode()] = name
-        for name in _SORTED_SETS:
-            for raw in client.zrange(self._keys[name], 0, -1):
+        for name, found in zip([*_LISTS, *_SORTED_SETS], members, strict=True):
+            for raw in found:
                 where[raw.decode()] = name
         states: list[JobState] = []
         ids = list(where)

@@ -11,11 +11,11 @@ How BullMQ's notions map onto the reference's:
 - lease: the job's lock (`lockDuration`, the config's lease), renewed by the worker every half
   lock as the dispatcher renews; recovery: BullMQ's stalled-job check (`stalledInterval`, the
   config's recovery interval), which moves a job whose lock expired back to wait;
-- attempt: BullMQ's `attemptsStarted` when the processor starts (every pick counts, a pick
-  after a stall included, as every claim does in the reference); max attempts: the job's
-  `attempts`, which BullMQ counts in *finished* attempts (`attemptsMade`): a pick that
-  stalled is not counted against it, and after `maxStalledCount` stalls (1) BullMQ fails the
-  job without running the processor, so no worker event records that end;
+- attempt: BullMQ's `attemptsMade` + 1 when the processor starts: its max attempts (the
+  job's `attempts`) and its backoff count *finished* attempts, so a pick that stalled is not
+  counted, and a second pick under the same number has its own lease token; after
+  `maxStalledCount` stalls (1) BullMQ fails the job without running the processor, so no
+  worker event records that end;
 - outcome: success returns; a permanent failure raises `UnrecoverableError` (BullMQ's dead
   letter: the failed set, no retry); a transient one raises, and BullMQ retries with the
   backoff the job was added with (`backoff_option`: exponential from the retry base);
@@ -75,9 +75,10 @@ def lease_of(job: Any, token: str, config: DispatcherConfig, worker_id: str) -> 
         account_id=str(data.get("account_id", "")),
         target_url=str(data["target_url"]),
         payload=data.get("payload") or {},
-        # moveToActive counts the pick before the job is read (`ats`); a job stored by an
-        # older BullMQ has none, and its finished attempts + 1 is the best known.
-        attempt=int(getattr(job, "attemptsStarted", 0) or 0) or int(job.attemptsMade) + 1,
+        # BullMQ's own count: finished attempts + 1, the number its backoff is computed from
+        # (a pick whose lock expired is not counted). Two picks under one number are told
+        # apart by their lease tokens.
+        attempt=int(job.attemptsMade) + 1,
         max_attempts=int(job.opts.get("attempts", 1)),
         # The job's lock is its own key, holding the token: the pair names one pick. (The
         # Python port's `Worker.run` hands jobs fetched in one pass the same token, a
@@ -112,8 +113,18 @@ async def run_bullmq_worker(url: str, queue_name: str, config: DispatcherConfig,
                 raise UnrecoverableError(call.error or "permanent failure")
             raise TransientFailure(call.error or "transient failure")
 
-        def ended(job: Any, *_: Any) -> None:
+        def completed(job: Any, *_: Any) -> None:
             delivery.written(id(job))
+
+        def failed(job: Any, err: Any = None, *_: Any) -> None:
+            # A failed job whose call succeeded: BullMQ could not record the completion
+            # (its moveToCompleted raised) and failed the job instead; what became of the
+            # success is not known from here.
+            if delivery.outcome_of(id(job)) is Outcome.SUCCESS:
+                text = " ".join(str(err).split()) or "completion not recorded"
+                delivery.written(id(job), "info", text)
+            else:
+                delivery.written(id(job))
 
         def failed_to_write(err: Any, job: Any = None) -> None:
             # BullMQ could not move the job on: refused (its lock was gone) or unknown (Redis
@@ -130,8 +141,8 @@ async def run_bullmq_worker(url: str, queue_name: str, config: DispatcherConfig,
             "lockDuration": round(config.lease_seconds * 1000),
             "stalledInterval": round(config.recovery_interval_seconds * 1000),
             "name": worker_id})
-        worker.on("completed", ended)
-        worker.on("failed", ended)
+        worker.on("completed", completed)
+        worker.on("failed", failed)
         worker.on("error", failed_to_write)
         sink("start", {"pid": os.getpid()})
         await run_until(worker, stop, sink)

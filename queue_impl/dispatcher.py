@@ -991,7 +991,8 @@ class Failpoints:
         the crash being simulated."""
         if self.fires(name):
             sink("failpoint", {"name": name, "job_id": str(lease.job_id),
-                               "attempt": lease.attempt})
+                               "attempt": lease.attempt,
+                               "lease_token": str(lease.lease_token)})
             os._exit(FAILPOINT_EXIT_CODE)
 
 

@@ -145,16 +145,21 @@ class Guarantees:
     # The pause_in_claim fault: the queue's claim is a transaction the harness can stall
     # between its statements and its COMMIT.
     claim_transaction: bool = True
+    # Recovery of expired leases can be switched off (`recovery = false`, --no-recovery):
+    # the harness's own loop runs it; a library's loop may always run its own.
+    recovery_switch: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return {"account_limits": self.account_limits, "fencing": self.fencing,
                 "attempts_count": self.attempts_count, "retry_cap": self.retry_cap,
-                "claim_transaction": self.claim_transaction}
+                "claim_transaction": self.claim_transaction,
+                "recovery_switch": self.recovery_switch}
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Guarantees:
         """From spec.json's `guarantees`; ValueError for a value of the wrong type."""
-        flags = ("account_limits", "fencing", "retry_cap", "claim_transaction")
+        flags = ("account_limits", "fencing", "retry_cap", "claim_transaction",
+                 "recovery_switch")
         for key in flags:
             if not isinstance(raw.get(key, True), bool):
                 raise ValueError(f"guarantees.{key} must be true or false")

@@ -91,6 +91,9 @@ class NativeDelivery:
         """Record a claim when the library makes it (its dequeue returned the job), which
         may be well before the job's handler runs; then pass its failpoint."""
         self._claimed.add(lease.lease_token)
+        self._log_claim(lease)
+
+    def _log_claim(self, lease: Lease) -> None:
         self._sink("claim", claim_event(lease))
         self.failpoints.crash_if_fires("crash_after_claim", lease, self._sink)
 
@@ -100,10 +103,15 @@ class NativeDelivery:
         if lease.lease_token in self._claimed:
             self._claimed.discard(lease.lease_token)
         else:
-            self.claimed(lease)
+            self._log_claim(lease)
         call = await self._deliverer.deliver(lease)
         self._running[key] = _Running(lease, call.outcome, call.error, time.time())
         return call
+
+    def outcome_of(self, key: Hashable) -> Outcome | None:
+        """What the call run under `key` came to, while its write is still to come."""
+        found = self._running.get(key)
+        return found.outcome if found is not None else None
 
     def written(self, key: Hashable, result: WriteOutcome = "applied",
                 error: str | None = None) -> bool:

@@ -33,7 +33,8 @@ How the reference's notions map onto pgqueuer's:
 
 What pgqueuer promises (`GUARANTEES`): per-account limits (as entrypoint limits); no fencing
 (its completion deletes the row by id, whoever holds it now); `attempts` counts retries
-only; the retry wait is the caller's (capped here); no claim transaction to stall.
+only; the retry wait is the caller's (capped here); no claim transaction to stall; its
+heartbeat re-pick always runs (recovery cannot be switched off).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ from queue_impl.interface import (
 from queue_impl.native import NativeDelivery, NativeWorkerOnly, lease_token_of
 
 GUARANTEES = Guarantees(account_limits=True, fencing=False, attempts_count="finished",
-                        retry_cap=True, claim_transaction=False)
+                        retry_cap=True, claim_transaction=False, recovery_switch=False)
 
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 # pgqueuer's statuses in its queue table, and the final one its log records.
@@ -177,7 +178,9 @@ class PgqueuerQueue:
                 if status is JobStatus.PENDING and attempts:
                     status = JobStatus.RETRYING
             else:
-                status = _LOGGED.get(logged or "", JobStatus.COMPLETED)
+                # No row and no final log entry: nothing says it finished (the delete and
+                # its log entry are one statement), so it is not called finished.
+                status = _LOGGED.get(logged or "", JobStatus.PENDING)
             states.append(JobState(
                 job_id=job_id, account_id=account, status=status,
                 attempts=int(attempts or 0), max_attempts=max_attempts,
@@ -195,15 +198,22 @@ class PgqueuerQueue:
                          stop: asyncio.Event) -> None:
         policy = dataclasses.replace(config.retry_policy(), rng=random.Random(
             f"retry:{config.seed}:{worker_id}" if config.seed is not None else None))
-        conn = await asyncpg.connect(**asyncpg_params(self.dsn),
-                                     server_settings={"search_path": self.schema})
+        # asyncpg does not read PGAPPNAME: the worker's name is passed on, so that a fault
+        # that cuts the system under test's sessions finds them.
+        conn = await asyncpg.connect(**asyncpg_params(self.dsn), server_settings={
+            "search_path": self.schema,
+            "application_name": os.environ.get("PGAPPNAME", "")})
         reason = "stopped"
         try:
             accounts = await conn.fetch("SELECT id, concurrency_limit FROM skiplock_accounts")
             async with NativeDelivery(config, worker_id, sink) as delivery:
-                manager = QueueManager(_RecordingQueries(
+                queries = _RecordingQueries(
                     AsyncpgDriver(conn), delivery=delivery,
-                    lease=lambda job, manager_id: _lease(job, manager_id, config, worker_id)))
+                    lease=lambda job, manager_id: _lease(job, manager_id, config, worker_id))
+                manager = QueueManager(queries)
+                # A stale job this manager still runs can come back from its own dequeue;
+                # pgqueuer drops it (it is in job_context), so it is no new claim.
+                queries.running = lambda job: job.id in manager.job_context
 
                 async def handle(job: Any) -> None:
                     lease = _lease(job, manager.queue_manager_id, config, worker_id)
@@ -297,6 +307,7 @@ class _RecordingQueries(Queries):
         super().__init__(driver)
         self._delivery = delivery
         self._lease = lease
+        self.running: Callable[[Any], bool] = lambda _job: False
 
     async def dequeue(self, batch_size: int, entrypoints: Any, queue_manager_id: Any,
                       global_concurrency_limit: int | None,
@@ -304,7 +315,8 @@ class _RecordingQueries(Queries):
         jobs = await super().dequeue(batch_size, entrypoints, queue_manager_id,
                                      global_concurrency_limit, heartbeat_timeout)
         for job in jobs:
-            self._delivery.claimed(self._lease(job, queue_manager_id))
+            if not self.running(job):
+                self._delivery.claimed(self._lease(job, queue_manager_id))
         return jobs
 
     async def log_jobs(self, job_status: Any) -> None:

@@ -17,6 +17,7 @@ part of a password, whatever shape the DSN has.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from urllib.parse import unquote
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from queue_impl.interface import QueueBackend
+from queue_impl.interface import Guarantees, QueueBackend
 
 BACKEND_NAMES: tuple[str, ...] = ("pg", "pg-naive", "pg-for-update", "pg-long-tx")
 # Queues on Redis, with their own worker loops: the run provisions Redis for them.
@@ -164,6 +165,12 @@ def check_backend(name: str, *, dsn: str | None, schema: str,
         raise _not_shared(name)
     backend = _build(factory, name, dsn, schema, sql_path, options)
     local = _process_local(backend)
+    declared = getattr(backend, "guarantees", None)
+    if declared is not None and not isinstance(declared, Guarantees):
+        with contextlib.suppress(Exception):
+            backend.close()
+        raise ValueError(f"backend {name!r}: its guarantees must be a "
+                         f"queue_impl.interface.Guarantees, not {type(declared).__name__}")
     try:
         backend.close()
     except Exception as exc:

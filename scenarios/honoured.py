@@ -32,6 +32,9 @@ def unhonoured(spec: ScenarioSpec, backend: str, promised: Guarantees) -> str | 
                     f"backoff has no cap and waits {longest:g} s before attempt "
                     f"{spec.max_attempts}; use --set retry_cap={longest:g} or a lower "
                     "max_attempts")
+    if not promised.recovery_switch and not spec.recovery:
+        return (f"backend {backend!r} runs its own recovery of expired leases, which cannot "
+                "be switched off: leave out recovery = false (--no-recovery)")
     for entry in spec.nemesis:
         if backend in REDIS_BACKENDS and entry.kind in POSTGRES_FAULTS:
             return (f"backend {backend!r} keeps its queue in Redis: the {entry.kind} fault acts "

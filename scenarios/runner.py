@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import secrets
 import shutil
@@ -818,8 +817,10 @@ def _set_up_queue(run: _RunState, stack: contextlib.ExitStack, server: PgServer)
         if options.schema is None and not options.keep_schema:
             # Registered before the snapshot runs, so it runs after it (LIFO). A queue that
             # tears itself down owns what it made; the others live in the run's schema.
-            stack.callback(queue.teardown if isinstance(queue, TearsDown)
-                           else functools.partial(_drop_schema, server.dsn, run.schema))
+            # (The schema is dropped after a teardown too: a plug-in may keep tables there.)
+            stack.callback(_drop_schema, server.dsn, run.schema)
+            if isinstance(queue, TearsDown):
+                stack.callback(queue.teardown)
         # Every statement checked on the fresh schema before any load starts, so
         # bad SQL is one line naming its file and block, not every call failing.
         if isinstance(queue, ChecksStatements):

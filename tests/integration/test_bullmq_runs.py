@@ -51,8 +51,7 @@ def test_steady_on_bullmq_with_embedded_redis(pg_dsn: str, tmp_path: Path) -> No
     counts = verdict["counts"]
     assert counts["enqueued"] > 100
     assert counts["completed"] == counts["enqueued"] == counts["delivered"]
-    assert set(verdict["details"]["not_applicable"]) == {"limit_exceeded",
-                                                         "attempts_exceeded"}
+    assert set(verdict["details"]["not_applicable"]) == {"limit_exceeded"}
     spec = json.loads((run_dir / "spec.json").read_text())
     assert spec["guarantees"]["account_limits"] is False
     assert spec["redis"]["kind"] == "embedded"

@@ -38,13 +38,13 @@ def test_steady_on_pgqueuer(pg_dsn: str, tmp_path: Path) -> None:
     assert verdict["valid"] is True
     counts = verdict["counts"]
     assert counts["completed"] == counts["enqueued"] == counts["delivered"] > 100
-    # Its accounts' limits are pgqueuer's entrypoint limits, so they are judged; fencing and
-    # a max_attempts counted per claim are not promised.
-    assert set(verdict["details"]["not_applicable"]) == {"stale_write", "attempts_exceeded"}
+    # Its accounts' limits are pgqueuer's entrypoint limits, so they are judged; fencing is
+    # not promised.
+    assert set(verdict["details"]["not_applicable"]) == {"stale_write"}
     spec = json.loads((run_dir / "spec.json").read_text())
     assert spec["guarantees"] == {"account_limits": True, "fencing": False,
                                   "attempts_count": "finished", "retry_cap": True,
-                                  "claim_transaction": False}
+                                  "claim_transaction": False, "recovery_switch": False}
 
 
 def test_kill_workers_on_pgqueuer_repicks_are_keyed_by_lease(pg_dsn: str,

@@ -17,7 +17,10 @@ from reports.synthetic import RunBuilder
 SUCCEED = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None}
 ALWAYS_503 = {"name": "fail", "first": {"behaviour": "status", "status": 503}, "times": None}
 BULLMQ = Guarantees(account_limits=False, fencing=True, attempts_count="finished",
-                    retry_cap=False, claim_transaction=False)
+                    retry_cap=False, claim_transaction=False, recovery_switch=False)
+FAIL_ONCE = {"name": "fail_once", "first": {"behaviour": "status", "status": 503}, "times": 1,
+             "then": {"behaviour": "ok"}}
+ALWAYS_400 = {"name": "bad", "first": {"behaviour": "status", "status": 400}, "times": None}
 
 
 def _over_the_limit(guarantees: Guarantees | None) -> RunBuilder:
@@ -31,11 +34,28 @@ def _over_the_limit(guarantees: Guarantees | None) -> RunBuilder:
 
 
 def _picked_three_times(guarantees: Guarantees | None) -> RunBuilder:
+    """Three claims for max_attempts 2: the first one's worker was killed before it called,
+    then a 503 and a 200. Every claim counts in the reference (too many claims); a queue
+    counting finished attempts made two, both delivered."""
+    finished = guarantees is not None and guarantees.attempts_count == "finished"
     b = RunBuilder(guarantees=guarantees.to_json() if guarantees else None)
-    b.enqueue("over", script=ALWAYS_503, max_attempts=2)
-    for attempt, at in ((1, 100.0), (2, 100.6), (3, 101.7)):
-        b.attempt("over", attempt, claimed=at, status=503, behaviour="status")
-    b.final("over", "FAILED", attempts=3, max_attempts=2)
+    b.enqueue("j", script=FAIL_ONCE, max_attempts=2)
+    b.event("claim", "worker-0", 100.0, job_id="j", attempt=1, locked_until=110.0,
+            lease_token=str(uuid.uuid5(uuid.NAMESPACE_URL, "j-killed")))
+    b.fault("kill_worker", 100.05, 100.06, target="worker-0")
+    second = 1 if finished else 2
+    b.attempt("j", second, claimed=111.0, status=503, behaviour="status", worker="worker-1")
+    b.attempt("j", second + 1, claimed=113.0, worker="worker-1")
+    b.final("j", "COMPLETED", attempts=second + 1, max_attempts=2)
+    return b
+
+
+def _delivered_after_a_400(guarantees: Guarantees | None) -> RunBuilder:
+    b = RunBuilder(guarantees=guarantees.to_json() if guarantees else None)
+    b.enqueue("j", script=ALWAYS_400, max_attempts=3)
+    b.attempt("j", 1, claimed=100.0, status=400, behaviour="status")
+    b.attempt("j", 2, claimed=101.0, status=400, behaviour="status")
+    b.final("j", "FAILED", attempts=2)
     return b
 
 
@@ -46,7 +66,7 @@ def test_a_promise_not_made_is_not_judged_and_says_why(tmp_path: Path) -> None:
     assert "limit_exceeded" not in verdict.examples
     reasons = verdict.details["not_applicable"]
     assert reasons["limit_exceeded"] == "the queue declares no per-account concurrency limits"
-    assert set(reasons) == {"limit_exceeded", "attempts_exceeded"}
+    assert set(reasons) == {"limit_exceeded"}
 
 
 def test_the_same_history_breaks_the_reference_promise(tmp_path: Path) -> None:
@@ -58,11 +78,20 @@ def test_the_same_history_breaks_the_reference_promise(tmp_path: Path) -> None:
 
 
 def test_attempts_counted_in_finished_attempts_are_not_held_to_claims(tmp_path: Path) -> None:
-    assert check_run([_picked_three_times(None).write(tmp_path / "ref")]).counts[
-        "attempts_exceeded"] == 1
+    reference = check_run([_picked_three_times(None).write(tmp_path / "ref")])
+    assert reference.counts["attempts_exceeded"] == 1
+    assert reference.examples["attempts_exceeded"][0]["case"] == "claims"
     verdict = check_run([_picked_three_times(BULLMQ).write(tmp_path / "bullmq")])
-    assert "attempts_exceeded" in verdict.details["not_applicable"]
-    assert verdict.counts["attempts_exceeded"] == 0
+    assert verdict.counts["attempts_exceeded"] == 0, verdict.examples
+    assert "attempts_exceeded" not in verdict.details.get("not_applicable", {})
+
+
+def test_a_delivery_after_a_permanent_failure_is_still_judged(tmp_path: Path) -> None:
+    """Counting finished attempts excuses no delivery after a permanent failure."""
+    for i, declared in enumerate((None, BULLMQ)):
+        verdict = check_run([_delivered_after_a_400(declared).write(tmp_path / f"r{i}")])
+        assert verdict.counts["attempts_exceeded"] == 1
+        assert verdict.valid is False
 
 
 @pytest.mark.parametrize(("declared", "message"), [

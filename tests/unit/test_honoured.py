@@ -23,6 +23,12 @@ def test_a_retry_cap_that_binds_needs_a_capped_backoff() -> None:
                       "bullmq", BULLMQ) is None
 
 
+def test_recovery_a_library_always_runs_cannot_be_switched_off() -> None:
+    said = unhonoured(load("steady", ["recovery=false"]), "bullmq", BULLMQ)
+    assert said is not None and "--no-recovery" in said
+    assert unhonoured(load("steady", ["recovery=false"]), "pg", REFERENCE_GUARANTEES) is None
+
+
 def test_faults_that_cannot_reach_the_queue_are_refused() -> None:
     said = unhonoured(load("db-faults", []), "bullmq", BULLMQ)
     assert said is not None and "acts on PostgreSQL" in said

@@ -33,22 +33,24 @@ def test_always_fsyncs_every_write_and_off_keeps_nothing() -> None:
 
 
 
-def test_the_attempt_counts_every_pick_as_bullmq_records_it() -> None:
-    """BullMQ counts a pick in `attemptsStarted` before the processor runs; `attemptsMade`
-    only counts finished attempts, so a pick after a stall must not reuse the number."""
+def test_the_attempt_is_bullmqs_own_count_and_each_pick_its_own_lease() -> None:
+    """BullMQ's `attempts` and its backoff count finished attempts (`attemptsMade`); a pick
+    after a stall keeps the number and is told apart by its lease token (job id and lock
+    token), also when two jobs fetched in one pass share a lock token."""
     from types import SimpleNamespace
 
     from queue_impl.bullmq_worker import lease_of
     from queue_impl.dispatcher import DispatcherConfig
 
-    def job(started: int, made: int) -> SimpleNamespace:
-        return SimpleNamespace(id="6bab294e-e54c-4551-a933-0197328a189a", attemptsStarted=started,
-                               attemptsMade=made, opts={"attempts": 3},
+    def job(made: int, job_id: str = "6bab294e-e54c-4551-a933-0197328a189a") -> SimpleNamespace:
+        return SimpleNamespace(id=job_id, attemptsStarted=made + 2, attemptsMade=made,
+                               opts={"attempts": 3},
                                data={"account_id": "a", "target_url": "http://h/", "payload": {}})
 
     config = DispatcherConfig()
-    assert lease_of(job(2, 0), "w:7", config, "w").attempt == 2  # picked again after a stall
-    assert lease_of(job(1, 0), "w:1", config, "w").attempt == 1
-    assert lease_of(job(0, 1), "w:2", config, "w").attempt == 2  # stored by an older BullMQ
-    assert lease_of(job(1, 0), "w:1", config, "w").lease_token != \
-        lease_of(job(1, 0), "w:2", config, "w").lease_token
+    assert lease_of(job(0), "w:1", config, "w").attempt == 1
+    assert lease_of(job(1), "w:2", config, "w").attempt == 2  # after one failed attempt
+    stalled, again = lease_of(job(0), "w:1", config, "w"), lease_of(job(0), "w:7", config, "w")
+    assert stalled.attempt == again.attempt and stalled.lease_token != again.lease_token
+    other = job(0, "0d3f3f1e-4b8a-4c3e-9a55-3f0c3f2b1a10")
+    assert lease_of(other, "w:1", config, "w").lease_token != stalled.lease_token

@@ -77,12 +77,6 @@ def _needs_fencing(promised: Guarantees) -> str | None:
         "the queue declares no fencing: a write after its lease was lost is not refused")
 
 
-def _needs_claims_counted(promised: Guarantees) -> str | None:
-    return None if promised.attempts_count == "claims" else (
-        "the queue counts max_attempts in finished attempts: a pick whose worker died is "
-        "not counted, so a job may be delivered more often than max_attempts")
-
-
 _ALL_LOGS = frozenset({ENQUEUES_FILE, DELIVERIES_DIR, WORKERS_DIR, NEMESIS_FILE,
                        FINAL_JOBS_FILE})
 _EXPLAINED_BY = frozenset({DELIVERIES_DIR, WORKERS_DIR, NEMESIS_FILE})
@@ -106,8 +100,7 @@ ANOMALIES: tuple[Anomaly, ...] = (
             concurrent_delivery, held_back_by=frozenset({WORKERS_DIR, NEMESIS_FILE})),
     Anomaly("attempts_exceeded", "jobs",
             "more deliveries than max_attempts (or one after a permanent failure)",
-            attempts_exceeded, held_back_by=_EXPLAINED_BY,
-            not_applicable=_needs_claims_counted),
+            attempts_exceeded, held_back_by=_EXPLAINED_BY),
     Anomaly("early_retry", "deliveries",
             "a retry sent before the backoff allows",
             early_retry, held_back_by=_EXPLAINED_BY),

@@ -3,7 +3,9 @@ explains aside), a delivery after a permanent failure, or more committed claims 
 max_attempts (a fault may explain a repeated delivery, never an extra claim the queue
 committed). A claim given back by an applied release used no attempt; under pg-long-tx a
 claim commits only with its result, so a claim whose worker died is rolled back and the
-claim rule is not applied there."""
+claim rule is not applied there; nor for a queue that declares it counts finished attempts
+only (a pick whose worker died is not counted: BullMQ, pgqueuer), whose deliveries and
+permanent failures are still held to it."""
 
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ def find(f: Frame, e: Explained) -> Iterator[Example]:
         exceeded[j] = x
     for j, x in _after_permanent(f, e, exceeded):
         exceeded[j] = x
-    for j, x in _too_many_claims(f):
-        exceeded.setdefault(j, x)
+    if f.cfg.guarantees.attempts_count == "claims":
+        for j, x in _too_many_claims(f):
+            exceeded.setdefault(j, x)
     yield from exceeded.values()
 
 
