@@ -91,7 +91,8 @@ def test_gate_fails_the_naive_queue_with_junit_naming_the_anomaly(tmp_path: Path
     assert "duplicate_unexplained=" in message or "concurrent_delivery=" in message
     summary = json.loads((out / "summary.json").read_text())
     assert summary["exit_code"] == 1
-    assert summary["counts"] == {"runs": 1, "pass": 0, "fail": 1, "unknown": 0, "error": 0}
+    assert summary["counts"] == {"runs": 1, "pass": 0, "not_applicable": 0, "fail": 1,
+                                 "unknown": 0, "error": 0}
     run_dir = Path(summary["results"][0]["run_dir"])
     # The run directory stands on its own: the same verdict from `skiplock check`.
     assert skiplock("check", run_dir).returncode == 1
