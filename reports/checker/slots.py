@@ -1,5 +1,6 @@
 """Account slots over time: deliveries of limited accounts as intervals, as the queue sees
-them. A delivery the worker abandoned on its timeout no longer holds a slot, nor does one
+them. A delivery the worker abandoned on its timeout (when the worker recorded it gave up, or
+else the target's receipt plus the timeout) no longer holds a slot, nor does one
 made after its own lease had run out (recovery had freed that slot for the job's next
 attempt)."""
 
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from reports.checker.explain import lease_last
+from reports.checker.explain import http_ends, lease_last
 
 if TYPE_CHECKING:
     from reports.checker.frame import Frame
@@ -49,6 +50,20 @@ def account_slots(f: Frame) -> Slots:
     queue_end = np.where(rows.late | (~rows.is_answered & rows.hang_forever),
                          np.minimum(rows.target_end, abandoned), rows.target_end)
     over, counts = _over_limit(limited, account, limit, rows.received, queue_end)
+    if len(over):
+        # A request the worker gave up on is given up when its timeout fired, which the
+        # worker recorded (its http end): that may be before received + timeout, since the
+        # timer starts before the request reaches the target. Looked up only when some
+        # account looked full, for that account's late or hanging deliveries.
+        suspects = limited[np.isin(account[limited], np.unique(account[over]))]
+        late = suspects[(rows.late | (~rows.is_answered & rows.hang_forever))[suspects]]
+        ends = http_ends(h, rows.job[late], rows.attempt[late]) if len(late) else late
+        known = ~np.isnan(ends)
+        if known.any():
+            queue_end = queue_end.copy()
+            at = late[known]
+            queue_end[at] = np.minimum(queue_end[at], np.maximum(ends[known], rows.received[at]))
+            over, counts = _over_limit(limited, account, limit, rows.received, queue_end)
     stale = _NONE
     if len(over):
         # A worker that resumes past its lease (paused, stalled) and makes its call anyway

@@ -581,6 +581,30 @@ def test_abandoned_delivery_frees_its_slot(tmp_path: Path) -> None:
     assert anomalies(verdict) == {}
 
 
+def test_a_request_that_reached_the_target_late_frees_its_slot_at_the_workers_timeout(
+        tmp_path: Path) -> None:
+    """The worker's timer starts before its request reaches the target: abandoned at the
+    timeout the worker recorded, the slot is free then, though the target's receipt plus the
+    timeout comes later (pgqueuer's long-calls gate run, 0.34 s between start and receipt)."""
+    b = RunBuilder(account_limits={"acct-0": 1})
+    b.enqueue("late", script=script({"behaviour": "slow", "seconds": 3.0}, 1), max_attempts=1)
+    b.event("claim", "worker-0", 100.0, job_id="late", attempt=1, locked_until=110.0)
+    b.deliver("late", attempt=1, received=100.5, answered=103.5, behaviour="slow")
+    b.event("http", "worker-0", 102.0, job_id="late", attempt=1, start=100.0, end=102.0,
+            result="timeout", status=None, error="no answer within 2s")
+    b.event("write", "worker-0", 102.01, job_id="late", attempt=1, outcome="transient",
+            result="applied", error="no answer within 2s", started=102.0)
+    b.final("late", "FAILED")
+    b.enqueue("next", script=SUCCEED)
+    b.attempt("next", 1, claimed=102.1)
+    b.final("next", "COMPLETED")
+    assert anomalies(check(b, tmp_path / "recorded")) == {}
+    # Without the worker's record of the timeout, receipt + timeout is all there is.
+    b.workers["worker-0"] = [line for line in b.workers["worker-0"]
+                             if not line.startswith("http,")]
+    assert anomalies(check(b, tmp_path / "unrecorded")) == {"limit_exceeded": 1}
+
+
 def test_account_comes_from_the_enqueue_not_the_header(tmp_path: Path) -> None:
     b = RunBuilder(account_limits={"acct-0": 1})
     b.enqueue("a", script=SUCCEED)
