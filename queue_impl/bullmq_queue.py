@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,15 +33,12 @@ from queue_impl.bullmq_worker import job_fields, run_bullmq_worker
 from queue_impl.dispatcher import DispatcherConfig, EventSink
 from queue_impl.interface import (
     Account,
-    AttemptResult,
     Guarantees,
     JobState,
     JobStatus,
-    Lease,
     NewJob,
-    WriteResult,
 )
-from queue_impl.native import NativeWorkerOnly
+from queue_impl.native import DispatcherCallsRefused
 
 GUARANTEES = Guarantees(account_limits=False, fencing=True, attempts_count="finished",
                         retry_cap=False, claim_transaction=False, recovery_switch=False)
@@ -56,7 +53,7 @@ _SORTED_SETS = {"prioritized": JobStatus.PENDING, "delayed": JobStatus.PENDING,
 _SNAPSHOT_BATCH = 1000
 
 
-class BullmqQueue:
+class BullmqQueue(DispatcherCallsRefused):
     """BullMQ queue `queue_name` (keys `<prefix>:<queue_name>:*`) at `url`."""
 
     name = "bullmq"
@@ -172,30 +169,12 @@ class BullmqQueue:
         if client is not None:
             client.close()
 
-    def wait_for_work(self, timeout: float) -> bool:
-        return False
 
     async def run_worker(self, config: DispatcherConfig, worker_id: str, sink: EventSink,
                          stop: Any) -> None:
         await run_bullmq_worker(self.url, self.queue_name, config, worker_id, sink, stop,
                                 prefix=self.prefix)
 
-    # -- the dispatcher's calls, never made for a native-worker queue ---------------------
-
-    def claim(self, worker_id: str, batch: int, lease: timedelta) -> list[Lease]:
-        raise NativeWorkerOnly(self.name, "claim")
-
-    def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
-        raise NativeWorkerOnly(self.name, "finish")
-
-    def renew(self, leases: Sequence[Lease], extend: timedelta) -> list[Lease | None]:
-        raise NativeWorkerOnly(self.name, "renew")
-
-    def release(self, leases: Sequence[Lease]) -> list[WriteResult]:
-        raise NativeWorkerOnly(self.name, "release")
-
-    def recover(self, limit: int = 100) -> int:
-        raise NativeWorkerOnly(self.name, "recover")
 
 
 def _text(value: bytes | None) -> str | None:

@@ -26,7 +26,6 @@ How BullMQ's notions map onto the reference's:
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import sys
 import uuid
@@ -36,7 +35,7 @@ from typing import Any
 
 from queue_impl.dispatcher import DispatcherConfig, EventSink
 from queue_impl.interface import Lease, Outcome
-from queue_impl.native import NativeDelivery, lease_token_of
+from queue_impl.native import NativeDelivery, cancel_leftovers, lease_token_of
 
 # BullMQ's errors when a job's end cannot be written because this worker's pick is no longer
 # the job's (its lock expired and another pick, or the stall check, moved it): the script
@@ -210,10 +209,6 @@ def run_in_own_loop(main: Coroutine[Any, Any, None]) -> None:
     async def then_collect() -> None:
         quiet_redis_finalizers()
         await main
-        left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-        for task in left:
-            task.cancel()
-        await asyncio.gather(*left, return_exceptions=True)
-        gc.collect()
+        await cancel_leftovers()
 
     asyncio.run(then_collect())

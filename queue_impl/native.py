@@ -21,8 +21,9 @@ import gc
 import signal
 import time
 import uuid
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 from queue_impl.dispatcher import (
     Call,
@@ -33,7 +34,7 @@ from queue_impl.dispatcher import (
     claim_event,
     write_event,
 )
-from queue_impl.interface import Lease, Outcome, RunsOwnWorker
+from queue_impl.interface import AttemptResult, Lease, Outcome, RunsOwnWorker, WriteResult
 
 # Library identities of a pick (lock tokens, row versions) become lease tokens in this
 # namespace: the same in every process, different for every pick.
@@ -145,13 +146,45 @@ def run_native_worker(backend: RunsOwnWorker, config: DispatcherConfig, worker_i
         if early_stop:
             stop.set()
         await backend.run_worker(config, worker_id, sink, stop)
-        left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-        for task in left:
-            task.cancel()
-        await asyncio.gather(*left, return_exceptions=True)
-        gc.collect()
+        await cancel_leftovers()
 
     asyncio.run(main())
 
 
-__all__ = ["NativeDelivery", "NativeWorkerOnly", "lease_token_of", "run_native_worker"]
+async def cancel_leftovers() -> None:
+    """Cancel and collect the tasks a library left running, while the loop still runs, so
+    none is finalized after it closed."""
+    left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in left:
+        task.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
+    gc.collect()
+
+
+class DispatcherCallsRefused:
+    """The `QueueBackend` calls of skiplock's own dispatcher loop, which a native-worker
+    queue (its `name` set) never gets: each raises `NativeWorkerOnly`."""
+
+    name: str
+
+    def claim(self, worker_id: str, batch: int, lease: timedelta) -> list[Lease]:
+        raise NativeWorkerOnly(self.name, "claim")
+
+    def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
+        raise NativeWorkerOnly(self.name, "finish")
+
+    def renew(self, leases: Sequence[Lease], extend: timedelta) -> list[Lease | None]:
+        raise NativeWorkerOnly(self.name, "renew")
+
+    def release(self, leases: Sequence[Lease]) -> list[WriteResult]:
+        raise NativeWorkerOnly(self.name, "release")
+
+    def recover(self, limit: int = 100) -> int:
+        raise NativeWorkerOnly(self.name, "recover")
+
+    def wait_for_work(self, timeout: float) -> bool:
+        return False
+
+
+__all__ = ["DispatcherCallsRefused", "NativeDelivery", "NativeWorkerOnly", "cancel_leftovers",
+           "lease_token_of", "run_native_worker"]

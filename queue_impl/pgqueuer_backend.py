@@ -69,7 +69,7 @@ from queue_impl.interface import (
     NewJob,
     Outcome,
 )
-from queue_impl.native import NativeDelivery, NativeWorkerOnly, lease_token_of
+from queue_impl.native import DispatcherCallsRefused, NativeDelivery, lease_token_of
 
 GUARANTEES = Guarantees(account_limits=True, fencing=False, attempts_count="finished",
                         retry_cap=True, claim_transaction=False, recovery_switch=False)
@@ -105,7 +105,7 @@ class PermanentFailure(Exception):
     """A call not worth retrying: pgqueuer fails the job (held as the dead letter)."""
 
 
-class PgqueuerQueue:
+class PgqueuerQueue(DispatcherCallsRefused):
     name = "pgqueuer"
     guarantees = GUARANTEES
 
@@ -245,25 +245,6 @@ class PgqueuerQueue:
             sink("stop", {"reason": reason})
             await conn.close()
 
-    # -- the dispatcher's calls, never made for a native-worker queue ---------------------
-
-    def claim(self, worker_id: str, batch: int, lease: timedelta) -> list[Lease]:
-        raise NativeWorkerOnly(self.name, "claim")
-
-    def finish(self, results: Sequence[Any]) -> list[Any]:
-        raise NativeWorkerOnly(self.name, "finish")
-
-    def renew(self, leases: Sequence[Lease], extend: timedelta) -> list[Lease | None]:
-        raise NativeWorkerOnly(self.name, "renew")
-
-    def release(self, leases: Sequence[Lease]) -> list[Any]:
-        raise NativeWorkerOnly(self.name, "release")
-
-    def recover(self, limit: int = 100) -> int:
-        raise NativeWorkerOnly(self.name, "recover")
-
-    def wait_for_work(self, timeout: float) -> bool:
-        return False
 
 
 def asyncpg_params(dsn: str) -> dict[str, Any]:
