@@ -24,7 +24,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -50,6 +52,30 @@ def die_with_parent(parent_pid: int | None = None, signum: int = signal.SIGTERM)
         orphaned = os.getppid() != parent_pid if parent_pid is not None else os.getppid() == 1
         if orphaned:
             os.kill(os.getpid(), signum)
+
+
+@contextlib.contextmanager
+def children_deaf_to_ctrl_c() -> Iterator[None]:
+    """Processes started inside this block ignore SIGINT from their first instruction.
+
+    A Ctrl-C in a terminal goes to the whole process group. A child that the harness stops
+    itself (with SIGTERM, once it has taken the final snapshot) must not also take that
+    SIGINT: caught half-way through its start-up imports it would print a traceback before
+    any handler of its own exists. An ignored signal stays ignored across exec, and Python
+    installs its own SIGINT handler only where the signal is not ignored, so the child never
+    sees it. SIGINT is blocked here meanwhile, so one that arrives during the block is held
+    for this process (Linux keeps a blocked signal pending even while it is ignored) and
+    delivered when the block ends, not lost."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may change signal handlers
+        return
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
 
 
 def name_this_process(name: str) -> None:

@@ -29,6 +29,7 @@ import psycopg
 from psycopg import sql
 
 from plumbing.errors import HarnessError, Unhonoured, UsageError
+from plumbing.orphans import children_deaf_to_ctrl_c
 from queue_impl.dispatcher import DispatcherConfig
 from queue_impl.interface import (
     Account,
@@ -340,7 +341,10 @@ def producer_processes(configs: list[dict[str, Any]]) -> Iterator[list[Any]]:
                 name=f"skiplock-producer-{config['role']}-{config['index']}",
                 daemon=True,
             )
-            process.start()
+            # The runner stops producers itself (SIGTERM below), after a Ctrl-C too: they
+            # ignore SIGINT, which could otherwise land in their start-up imports.
+            with children_deaf_to_ctrl_c():
+                process.start()
             processes.append(process)
         yield processes
     finally:
