@@ -134,7 +134,7 @@ async def run_bullmq_worker(url: str, queue_name: str, config: DispatcherConfig,
             if job is None or not delivery.written(id(job), result, text):
                 delivery.error("bullmq", f"{type(err).__name__}: {text}")
 
-        worker = Worker(queue_name, process, {
+        worker = recording_worker(Worker, delivery, config, worker_id)(queue_name, process, {
             "connection": url, "prefix": prefix, "concurrency": config.batch,
             "autorun": False,
             "lockDuration": round(config.lease_seconds * 1000),
@@ -145,6 +145,33 @@ async def run_bullmq_worker(url: str, queue_name: str, config: DispatcherConfig,
         worker.on("error", failed_to_write)
         sink("start", {"pid": os.getpid()})
         await run_until(worker, stop, sink)
+
+
+def recording_worker(worker_class: type[Any], delivery: NativeDelivery,
+                     config: DispatcherConfig, worker_id: str) -> type[Any]:
+    """BullMQ's `Worker` whose lock extensions are recorded as renewals of the picks they
+    keep (held, or refused: the lock was no longer this pick's). BullMQ's own method sends
+    the same scripts in one pipeline and ignores their answers."""
+
+    class RecordingWorker(worker_class):  # type: ignore[misc]
+        async def extendLocks(self) -> None:
+            held = list(self.jobs)
+            # The leases as they are now: a job's attemptsMade grows once it completes,
+            # which may happen while the pipeline runs.
+            leases = [lease_of(job, token, config, worker_id) for job, token in held]
+            try:
+                multi = self.client.pipeline()
+                for job, token in held:
+                    await self.scripts.extendLock(job.id, token, self.opts.get("lockDuration"),
+                                                  multi)
+                answers = await multi.execute()
+            except Exception as exc:  # BullMQ's own method prints it and carries on
+                delivery.error("renew", f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+                return
+            for lease, answer in zip(leases, answers, strict=True):
+                delivery.renewed(lease, held=int(answer) == 1)
+
+    return RecordingWorker
 
 
 async def run_until(worker: Any, stop: asyncio.Event, sink: EventSink) -> None:

@@ -287,6 +287,14 @@ def claim_event(lease: Lease) -> dict[str, Any]:
             "lease_token": str(lease.lease_token), "locked_until": _iso(lease.locked_until)}
 
 
+def renew_event(lease: Lease, locked_until: datetime | None) -> dict[str, Any]:
+    """A lease renewed until `locked_until`, or found gone (None: the renewal was refused)."""
+    held: dict[str, Any] = ({"lost": True} if locked_until is None
+                            else {"locked_until": _iso(locked_until)})
+    return {"job_id": str(lease.job_id), "attempt": lease.attempt,
+            "lease_token": str(lease.lease_token), **held}
+
+
 def http_event(lease: Lease, call: Call) -> dict[str, Any]:
     return {"job_id": str(lease.job_id), "attempt": lease.attempt, "start": call.start,
             "end": call.end, "result": call.result, "status": call.status, "error": call.error,
@@ -690,15 +698,10 @@ class Dispatcher:
             held = self._held[token]
             if answer is None:
                 held.lost = True
-                self.emit("renew", job_id=str(lease.job_id), attempt=lease.attempt, lost=True)
+                self.emit("renew", **renew_event(lease, None))
             else:
                 held.lease, held.granted_after = answer, renewed_at
-                self.emit(
-                    "renew",
-                    job_id=str(lease.job_id),
-                    attempt=lease.attempt,
-                    locked_until=_iso(answer.locked_until),
-                )
+                self.emit("renew", **renew_event(lease, answer.locked_until))
 
     def _log_claim(self, leases: Sequence[Lease], claim_sent: float) -> tuple[bool, str | None]:
         """Log a claim's events and pass its failpoints; then (send, release reason): send
@@ -915,15 +918,10 @@ class Dispatcher:
             for i, lease, answer in zip(held, leases, answers, strict=True):
                 if answer is None:
                     lost.add(i)
-                    self.emit("renew", job_id=str(lease.job_id), attempt=lease.attempt, lost=True)
+                    self.emit("renew", **renew_event(lease, None))
                 else:
                     current[i] = answer
-                    self.emit(
-                        "renew",
-                        job_id=str(lease.job_id),
-                        attempt=lease.attempt,
-                        locked_until=_iso(answer.locked_until),
-                    )
+                    self.emit("renew", **renew_event(lease, answer.locked_until))
             due = renewed_at + half
 
     def _stall_in_claim(self) -> None:

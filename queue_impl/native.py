@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from queue_impl.dispatcher import (
     Call,
@@ -32,6 +32,7 @@ from queue_impl.dispatcher import (
     EventSink,
     Failpoints,
     claim_event,
+    renew_event,
     write_event,
 )
 from queue_impl.interface import AttemptResult, Lease, Outcome, RunsOwnWorker, WriteResult
@@ -125,6 +126,15 @@ class NativeDelivery:
                                         error if error is not None else found.error,
                                         found.started))
         return True
+
+    def renewed(self, lease: Lease, held: bool = True) -> None:
+        """Record a renewal of `lease` the library made (a heartbeat, a lock extension), once
+        it returned: held for another `lease_seconds` from now, or refused (`held` False: the
+        pick was no longer this worker's). Without these, a pick kept alive past its first
+        lease would look expired to the checker from claim + lease on."""
+        until = (datetime.now(UTC) + timedelta(seconds=self.config.lease_seconds)
+                 if held else None)
+        self._sink("renew", renew_event(lease, until))
 
     def error(self, op: str, text: str) -> None:
         """The loop's own failure (a fetch, a lock extension, a stall check)."""

@@ -278,7 +278,8 @@ def _lease(job: Any, manager_id: Any, config: DispatcherConfig, worker_id: str) 
 
 class _RecordingQueries(Queries):
     """pgqueuer's own queries, recording what the history needs when it happens: each pick
-    when the dequeue returns it (a job may wait in the manager long after that), and each
+    when the dequeue returns it (a job may wait in the manager long after that), each
+    heartbeat as a renewal of the pick it keeps alive once its statement returned, and each
     result write once its statement returned (applied) or raised (info: it may or may not
     have committed). pgqueuer buffers completions, so a write comes some time after its
     call."""
@@ -289,6 +290,9 @@ class _RecordingQueries(Queries):
         self._delivery = delivery
         self._lease = lease
         self.running: Callable[[Any], bool] = lambda _job: False
+        # pgqueuer's job id -> this manager's current pick of it (the Job object's id and the
+        # lease), from its dequeue until its result write.
+        self._picks: dict[int, tuple[int, Lease]] = {}
 
     async def dequeue(self, batch_size: int, entrypoints: Any, queue_manager_id: Any,
                       global_concurrency_limit: int | None,
@@ -297,8 +301,19 @@ class _RecordingQueries(Queries):
                                      global_concurrency_limit, heartbeat_timeout)
         for job in jobs:
             if not self.running(job):
-                self._delivery.claimed(self._lease(job, queue_manager_id))
+                lease = self._lease(job, queue_manager_id)
+                self._picks[int(job.id)] = (id(job), lease)
+                self._delivery.claimed(lease)
         return jobs
+
+    async def update_heartbeat(self, job_ids: list[Any]) -> None:
+        # The statement sets the heartbeat of every listed row, whoever picked it since; what
+        # is recorded is that this manager kept its own pick alive.
+        await super().update_heartbeat(job_ids)
+        for job_id in set(job_ids):
+            pick = self._picks.get(int(job_id))
+            if pick is not None:
+                self._delivery.renewed(pick[1])
 
     async def log_jobs(self, job_status: Any) -> None:
         await self._written([job for job, _, _ in job_status], super().log_jobs(job_status))
@@ -307,6 +322,9 @@ class _RecordingQueries(Queries):
         await self._written([job], super().retry_job(job, delay, traceback_record))
 
     async def _written(self, jobs: list[Any], statement: Awaitable[None]) -> None:
+        for job in jobs:
+            if self._picks.get(int(job.id), (None,))[0] == id(job):
+                del self._picks[int(job.id)]
         try:
             await statement
         except BaseException as exc:

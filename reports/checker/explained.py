@@ -6,11 +6,15 @@ the frame, before any anomaly is decided, and passed to each of them.
   delivery nothing excuses (or none), and the fault that excused it;
 - the redeliveries a recorded fault explains: each may come on top of `max_attempts` (an
   HTTP timeout explains a repeated 2xx, but the timed-out attempt still used an attempt);
+  for a queue that counts finished attempts only, that includes a re-pick under a number
+  already delivered when a fault explains running the earlier pick again (its result never
+  reached the queue, so the queue rightly runs the attempt once more);
 - for a job, the fault that used up one of its attempts (`consumed`), and the attempts of a
   dead-lettered job that never reached the target (`unreached`)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -40,6 +44,7 @@ class Explained:
         self.fault_reason: dict[int, str] = {}  # job -> the first fault that explained one
         self.duplicates = self._duplicates()
         self.overlaps = self._overlaps()
+        self._repicks()
         self._consumed: dict[int, str | None] = {}
         self.unreached = self._unreached_dead_letters()
 
@@ -92,6 +97,24 @@ class Explained:
                 self._allow(j, int(i), faults[0])
             out[int(i)] = Overlap(unexcused, faults[0] if faults else None)
         return out
+
+    def _repicks(self) -> None:
+        """For a queue whose attempt number counts finished attempts: each delivery of a
+        re-pick (keyed apart by its lease, so its number has a fraction) that follows a
+        delivery under the same whole number, when a fault explains running that earlier
+        pick again. An HTTP timeout does not: the worker that gave up still reports it."""
+        f, rows = self.frame, self.frame.rows
+        if f.cfg.guarantees.attempts_count != "finished":
+            return
+        for j, job_rows in f.job_rows.items():
+            for earlier, r in itertools.pairwise(job_rows):
+                number = math.floor(rows.attempt[r])
+                if rows.attempt[r] == number or math.floor(rows.attempt[earlier]) != number:
+                    continue
+                why = self.explainer.explain(f.records[earlier], float(rows.received[r]),
+                                             timeouts=False)
+                if why is not None:
+                    self._allow(j, r, why)
 
     def _abandoned(self, j: int, r: int, at: float) -> bool:
         """Whether delivery `r` was abandoned at its HTTP timeout by `at`."""

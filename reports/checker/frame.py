@@ -257,7 +257,8 @@ def build(h: History, tolerance: float) -> Frame:
     for found in (rows.duplicates, rows.overlapping, rows.early_failures, rows.after_permanent):
         candidates.update(rows.job[found].tolist())
     for mask in (jobs.completed_no_2xx, jobs.completed_late, jobs.failed_with_2xx,
-                 jobs.failed_vs_oracle, jobs.failed_early, jobs.lost_candidate):
+                 jobs.failed_vs_oracle, jobs.failed_early, jobs.lost_candidate,
+                 jobs.delivered > h.job_max_attempts):
         candidates.update(np.flatnonzero(mask).tolist())
     claims, stale_candidates = _stale_candidates(h)
     chosen = np.array(sorted(candidates), dtype=np.int64)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from reports.history import LOG_SUFFIX, WORKER_LOG, WORKERS_DIR, read_log
 from scenarios.provision_redis import DATA_PREFIX, REDIS_URL_ENV
 
 pytestmark = pytest.mark.integration
@@ -111,3 +112,12 @@ def test_the_gate_on_bullmq_lists_what_does_not_apply(pg_dsn: str, tmp_path: Pat
     assert outcomes == {"db-faults": "n/a", "long-calls": "pass"}
     junit = (tmp_path / "gate" / "junit.xml").read_text()
     assert 'skipped="1"' in junit and "acts on PostgreSQL" in junit
+    # long-calls' calls outlast half the lease: BullMQ's lock extensions are recorded as
+    # renewals, each of a pick that was claimed.
+    (run_dir,) = (tmp_path / "gate" / "runs").iterdir()
+    events = [e for path in (run_dir / WORKERS_DIR).glob(f"*{LOG_SUFFIX}")
+              for e in read_log(path, WORKER_LOG)]
+    claimed = {e["data"]["lease_token"] for e in events if e["kind"] == "claim"}
+    renewed = [e for e in events if e["kind"] == "renew" and not e["data"].get("lost")]
+    assert renewed, "no lock extension was recorded"
+    assert {e["data"]["lease_token"] for e in renewed} <= claimed

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from reports.history import LOG_SUFFIX, WORKER_LOG, WORKERS_DIR, read_log
+
 pytest.importorskip("pgqueuer", reason="pgqueuer is the optional extra skiplock[pgqueuer]")
 pytest.importorskip("asyncpg", reason="pgqueuer's asyncpg driver: skiplock[pgqueuer]")
 
@@ -55,6 +57,20 @@ def test_kill_workers_on_pgqueuer_repicks_are_keyed_by_lease(pg_dsn: str,
     # attempt number: each such pick is keyed apart, and every redelivery is explained.
     assert verdict["details"]["repicks_keyed_by_lease"] > 0
     assert verdict["counts"]["duplicate_explained"] > 0
+
+
+def test_long_calls_on_pgqueuer_record_heartbeats_as_renewals(pg_dsn: str,
+                                                               tmp_path: Path) -> None:
+    """Calls longer than half the lease: pgqueuer's heartbeats keep the picks alive, and
+    each is recorded as a renewal of the pick it kept, so the checker's lease ends move."""
+    verdict, run_dir = _run("long-calls", tmp_path / "runs", pg_dsn)
+    assert verdict["valid"] is True, verdict
+    events = [e for path in (run_dir / WORKERS_DIR).glob(f"*{LOG_SUFFIX}")
+              for e in read_log(path, WORKER_LOG)]
+    claimed = {e["data"]["lease_token"] for e in events if e["kind"] == "claim"}
+    renewed = [e for e in events if e["kind"] == "renew"]
+    assert renewed, "no heartbeat was recorded"
+    assert {e["data"]["lease_token"] for e in renewed} <= claimed
 
 
 def test_a_setting_pgqueuer_cannot_honour_is_refused(pg_dsn: str, tmp_path: Path) -> None:

@@ -163,3 +163,34 @@ def test_a_verdict_does_not_depend_on_how_the_queue_numbers_picks(
     assert verdicts[0].counts == verdicts[1].counts
     assert verdicts[0].details["repicks_keyed_by_lease"] == 1
     assert "repicks_keyed_by_lease" not in verdicts[1].details
+
+
+def _last_failure_not_recorded(write: str | None, guarantees: Guarantees) -> RunBuilder:
+    """max_attempts 2, every call a 503. The second attempt's failure never reaches the
+    queue (`write`: "info", its connection cut mid-write; None, the worker wrote nothing),
+    so a queue counting finished attempts picks the job again under number 2 and it is
+    delivered a third time."""
+    b = RunBuilder(guarantees=guarantees.to_json())
+    b.enqueue("j", script=ALWAYS_503, max_attempts=2)
+    b.attempt("j", 1, claimed=100.0, status=503, behaviour="status", pick="a")
+    b.attempt("j", 2, claimed=105.0, status=503, behaviour="status", pick="b", write=write)
+    b.attempt("j", 2, claimed=120.0, status=503, behaviour="status", pick="c",
+              worker="worker-1")
+    b.final("j", "FAILED", attempts=2, max_attempts=2)
+    return b
+
+
+@pytest.mark.parametrize("guarantees", [FINISHED, BULLMQ], ids=["finished", "bullmq"])
+def test_a_repick_after_a_lost_result_write_is_one_more_delivery(
+        tmp_path: Path, guarantees: Guarantees) -> None:
+    verdict = check_run([_last_failure_not_recorded("info", guarantees).write(tmp_path / "r")])
+    assert verdict.counts["attempts_exceeded"] == 0, verdict.examples
+    assert verdict.valid is True, verdict.examples
+
+
+def test_a_repick_nothing_explains_is_still_an_attempt_too_many(tmp_path: Path) -> None:
+    verdict = check_run([_last_failure_not_recorded(None, FINISHED).write(tmp_path / "r")])
+    assert verdict.counts["attempts_exceeded"] == 1
+    example = verdict.examples["attempts_exceeded"][0]
+    assert example["case"] == "deliveries"
+    assert example["evidence"]["explained_by_faults"] == 0
