@@ -627,7 +627,9 @@ def test_a_lost_lease_is_logged_once_and_never_renewed_again(
                           backend=LosesEveryRenewal(queue.dsn, schema=queue.schema))
     # Renewals come every half lease while the 1.6 s call runs; only the first one is sent.
     renewals = [f for kind, f in events if kind == "renew"]
-    assert renewals == [{"job_id": str(job.id), "attempt": 1, "lost": True}]
+    [claim] = [f for kind, f in events if kind == "claim"]
+    assert renewals == [{"job_id": str(job.id), "attempt": 1, "lost": True,
+                         "lease_token": claim["lease_token"]}]
     assert [f["job_id"] for kind, f in events if kind == "write"] == [str(job.id)]
 
 
