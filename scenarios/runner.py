@@ -249,6 +249,26 @@ class _ScheduleNemesis:
             self._running.stop()
 
 
+def missing_folders(path: Path) -> list[Path]:
+    """The folders of `path` that do not exist yet, deepest first: what creating it makes."""
+    missing = []
+    for folder in [path, *path.parents]:
+        if folder.exists():
+            break
+        missing.append(folder)
+    return missing
+
+
+def remove_if_empty(folders: list[Path]) -> None:
+    """Remove `folders` (deepest first) while they are empty: a refused run leaves no
+    `--out` folder it made behind, and never one that holds anything."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
 def new_run_dir(out: Path, spec: ScenarioSpec, seed: int) -> Path:
     """A fresh directory for one run, directly inside `out`. The scenario's name is part of
     its name: the spec admits only plain file-name parts, and this checks the result again,
@@ -620,6 +640,7 @@ def run_scenario(
 
     say = announce or (lambda _message: None)
     planned, nemesis = _choose_nemesis(spec, options, nemesis, say)
+    made_for_run = missing_folders(options.out)
     run_dir = new_run_dir(options.out, spec, options.seed)
     _lay_out_run_dir(run_dir)
     run = _RunState(
@@ -645,6 +666,7 @@ def run_scenario(
             # Bad input found before anything ran (e.g. an unreachable DSN): leave no
             # half-made run directory behind.
             shutil.rmtree(run_dir, ignore_errors=True)
+            remove_if_empty(made_for_run)
             run.run_dir_removed = True
         raise
     except HarnessError as exc:

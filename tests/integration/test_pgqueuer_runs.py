@@ -82,3 +82,5 @@ def test_a_setting_pgqueuer_cannot_honour_is_refused(pg_dsn: str, tmp_path: Path
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert "has no claim transaction to pause in" in line
+    # Refused once the plug-in said what it promises: nothing of the run is left.
+    assert not (tmp_path / "runs").exists()

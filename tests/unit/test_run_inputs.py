@@ -174,6 +174,22 @@ def test_new_run_dir_stays_inside_out(tmp_path: Path) -> None:
     assert sorted(tmp_path.rglob("*")) == [out, run_dir]
 
 
+def test_a_removed_run_takes_only_the_empty_folders_it_made(tmp_path: Path) -> None:
+    from scenarios.runner import missing_folders, new_run_dir, remove_if_empty
+
+    (tmp_path / "kept").mkdir()
+    out = tmp_path / "kept" / "a" / "b"
+    made = missing_folders(out)
+    assert made == [out, out.parent]
+    run_dir = new_run_dir(out, spec_mod.ScenarioSpec(name="ok"), 1)
+    (out.parent / "other").write_text("")  # something else now lives in a/
+    run_dir.rmdir()
+    remove_if_empty(made)
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "kept", "other"]
+    assert missing_folders(tmp_path) == []
+
+
 def test_new_run_dir_under_a_file_is_a_usage_error(tmp_path: Path) -> None:
     from scenarios.runner import new_run_dir
 
