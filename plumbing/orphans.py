@@ -56,25 +56,23 @@ def die_with_parent(parent_pid: int | None = None, signum: int = signal.SIGTERM)
 
 @contextlib.contextmanager
 def children_deaf_to_ctrl_c() -> Iterator[None]:
-    """Processes started inside this block ignore SIGINT from their first instruction.
+    """Processes started inside this block never receive SIGINT.
 
     A Ctrl-C in a terminal goes to the whole process group. A child that the harness stops
     itself (with SIGTERM, once it has taken the final snapshot) must not also take that
     SIGINT: caught half-way through its start-up imports it would print a traceback before
-    any handler of its own exists. An ignored signal stays ignored across exec, and Python
-    installs its own SIGINT handler only where the signal is not ignored, so the child never
-    sees it. SIGINT is blocked here meanwhile, so one that arrives during the block is held
-    for this process (Linux keeps a blocked signal pending even while it is ignored) and
-    delivered when the block ends, not lost."""
+    any handler of its own exists. SIGINT is blocked in this thread for the block, and a
+    child inherits its parent's signal mask through fork and exec, so the child starts, and
+    stays, with SIGINT blocked. This process's own handling is unchanged: a SIGINT that
+    arrives meanwhile is taken by another thread (Python still runs the handler in the main
+    thread) or waits until the block ends; it is not lost."""
     if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may change signal handlers
+        yield  # children forked from another thread get that thread's mask; leave it alone
         return
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    previous_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous_handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
 
 
