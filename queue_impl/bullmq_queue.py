@@ -169,12 +169,10 @@ class BullmqQueue(DispatcherCallsRefused):
         if client is not None:
             client.close()
 
-
     async def run_worker(self, config: DispatcherConfig, worker_id: str, sink: EventSink,
                          stop: Any) -> None:
         await run_bullmq_worker(self.url, self.queue_name, config, worker_id, sink, stop,
                                 prefix=self.prefix)
-
 
 
 def _text(value: bytes | None) -> str | None:

@@ -7,7 +7,9 @@ turns the library's job into a `Lease` and calls `NativeDelivery.run`, which rec
 `Deliverer` (SSRF guard, timeout, identity headers, `http` event). When the library reports
 the job's end, the handler calls `written` with what it knows of the write: applied, fenced
 (the library refused it because the job's lock or lease was gone) or info (it may or may not
-have happened). A history then reads the same whichever loop ran.
+have happened). When the library renews a pick's hold (a heartbeat, a lock extension), the
+loop calls `renewed`, so the checker's lease end follows it as it follows the dispatcher's
+renewals. A history then reads the same whichever loop ran.
 
 The lease token is the claim's identity in the history: a native backend derives it from
 whatever names one pick of a job in its library (BullMQ's lock token, pgqueuer's row

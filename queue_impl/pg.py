@@ -390,8 +390,7 @@ class PgQueue:
             else ("claim_lock_accounts_wait", "claim_wait")
         )
         if not hold and self.claim_commit_hook is None:
-            return self._claim_pipelined(lock_block, claim_block,
-                                         _claim_params([], batch, lease, worker_id))
+            return self._claim_pipelined(lock_block, claim_block, worker_id, batch, lease)
         with self._locks[Role.LEASE]:
             conn = self._conn(Role.LEASE)
             try:
@@ -420,16 +419,16 @@ class PgQueue:
                 self._open_claim = False
         return [_lease(row) for row in rows]
 
-    def _claim_pipelined(self, lock_block: str, claim_block: str,
-                         params: dict[str, Any]) -> list[Lease]:
+    def _claim_pipelined(self, lock_block: str, claim_block: str, worker_id: str, batch: int,
+                         lease: timedelta) -> list[Lease]:
         """The claim's two statements and COMMIT in two round trips instead of four: BEGIN
         goes with the account locks, COMMIT with the claim. The claim needs the locks'
-        answer, so that round trip stays."""
+        answer (and its snapshot must come after them), so that round trip stays."""
         with self._tx(Role.LEASE, pipeline=True) as conn:
-            lock = conn.execute(self._statements[lock_block], {"batch": params["batch"]})
+            lock = conn.execute(self._statements[lock_block], {"batch": batch})
             locked = [row["id"] for row in lock.fetchall()]
             claim = conn.execute(self._statements[claim_block],
-                                 {**params, "locked_accounts": locked})
+                                 _claim_params(locked, batch, lease, worker_id))
         return [_lease(row) for row in claim.fetchall()]
 
     def _claim_naive(self, worker_id: str, batch: int, lease: timedelta) -> list[Lease]:

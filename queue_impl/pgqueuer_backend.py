@@ -246,7 +246,6 @@ class PgqueuerQueue(DispatcherCallsRefused):
             await conn.close()
 
 
-
 def asyncpg_params(dsn: str) -> dict[str, Any]:
     """libpq's reading of the DSN (a URI or key=value pairs) as asyncpg's keywords."""
     params = conninfo_to_dict(dsn)
@@ -323,7 +322,8 @@ class _RecordingQueries(Queries):
 
     async def _written(self, jobs: list[Any], statement: Awaitable[None]) -> None:
         for job in jobs:
-            if self._picks.get(int(job.id), (None,))[0] == id(job):
+            pick = self._picks.get(int(job.id))
+            if pick is not None and pick[0] == id(job):  # this pick, not a later one
                 del self._picks[int(job.id)]
         try:
             await statement

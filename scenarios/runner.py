@@ -362,7 +362,7 @@ def producer_processes(configs: list[dict[str, Any]]) -> Iterator[list[Any]]:
                 daemon=True,
             )
             # The runner stops producers itself (SIGTERM below), after a Ctrl-C too: they
-            # ignore SIGINT, which could otherwise land in their start-up imports.
+            # start with SIGINT blocked, so it cannot land in their start-up imports.
             with children_deaf_to_ctrl_c():
                 process.start()
             processes.append(process)
