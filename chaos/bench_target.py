@@ -20,12 +20,17 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from chaos.target import TargetProcess
-from plumbing.argtypes import non_negative_float, positive_float, positive_int
-from plumbing.errors import HarnessError, UsageError
-from queue_impl.interface import ACCOUNT_HEADER, ATTEMPT_HEADER, JOB_ID_HEADER, WORKER_HEADER
-from reports.history import SUCCEED, write_json
-from reports.selfdescribe import describe
+from skiplock.chaos.target import TargetProcess
+from skiplock.plumbing.argtypes import non_negative_float, positive_float, positive_int
+from skiplock.plumbing.errors import HarnessError, UsageError
+from skiplock.queue_impl.interface import (
+    ACCOUNT_HEADER,
+    ATTEMPT_HEADER,
+    JOB_ID_HEADER,
+    WORKER_HEADER,
+)
+from skiplock.reports.history import SUCCEED, write_json
+from skiplock.reports.selfdescribe import describe
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from chaos.target import (
+from skiplock.chaos.target import (
     DEFAULT_HANG_CAP_SECONDS,
     check_host,
     check_name,
@@ -22,9 +22,9 @@ from chaos.target import (
     serve,
     url_for,
 )
-from plumbing.argtypes import port, positive_float
-from plumbing.errors import Terminated, UsageError
-from reports.history import DELIVERIES_DIR, LOG_SUFFIX, HistoryError
+from skiplock.plumbing.argtypes import port, positive_float
+from skiplock.plumbing.errors import Terminated, UsageError
+from skiplock.reports.history import DELIVERIES_DIR, LOG_SUFFIX, HistoryError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

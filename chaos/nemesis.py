@@ -5,7 +5,7 @@ planned faults (`plan`): the same seed and spec give the same kinds, times and c
 probability. While the load runs, `ScheduledNemesis` applies each planned fault at its time
 on its own thread: `Fault.start()` applies it and names what it hit, `Fault.stop()` heals it
 (idempotent; also called for every fault still active when the load phase ends). Each fault
-becomes one `reports.history.FaultEvent` per thing it hit, with its window, in
+becomes one `skiplock.reports.history.FaultEvent` per thing it hit, with its window, in
 `nemesis.jsonl`: the checker explains redeliveries with exactly these events, so a fault is
 recorded with a window that covers everything it may have caused (start before the fault is
 applied, end after it is healed).
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
 
-from reports.history import FaultEvent
+from skiplock.reports.history import FaultEvent
 
 # The kinds a scenario may name, as the checker's vocabulary records them
-# (reports.history.FaultKind), plus kill_target.
+# (skiplock.reports.history.FaultKind), plus kill_target.
 NemesisKind = Literal[
     "kill_worker",
     "pause_worker",
@@ -364,7 +364,7 @@ def registry() -> dict[str, FaultFactory]:
     """Every fault kind with its class (imports the modules that define them)."""
     # Imported here: they register themselves, and importing them at module level would be
     # circular.
-    from chaos import nemesis_db, nemesis_target, nemesis_worker  # noqa: F401
+    from skiplock.chaos import nemesis_db, nemesis_target, nemesis_worker  # noqa: F401
 
     return dict(_REGISTRY)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import psycopg
 
-from chaos.nemesis import Fault, FaultSkipped, register
+from skiplock.chaos.nemesis import Fault, FaultSkipped, register
 
 # libpq's smallest effective connect timeout; a local server answers in milliseconds.
 CONNECT_TIMEOUT_SECONDS = 2

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from chaos.nemesis import (
+from skiplock.chaos.nemesis import (
     Fault,
     FaultSkipped,
     NemesisContext,

@@ -10,14 +10,14 @@ from __future__ import annotations
 import signal
 import time
 
-from chaos.nemesis import Fault, FaultSkipped, register
+from skiplock.chaos.nemesis import Fault, FaultSkipped, register
 
 # How long a firing waits for some worker to hold a lease (under light load a worker holds
 # its leases for milliseconds at a time), and how often it looks.
 HOLDER_WAIT_SECONDS = 2.0
 HOLDER_POLL_SECONDS = 0.003
 # How long a claim-phase pause waits for some worker to claim; the failpoint file's key for
-# how long the stalled worker sleeps (read by queue_impl.dispatcher).
+# how long the stalled worker sleeps (read by skiplock.queue_impl.dispatcher).
 CLAIM_STALL_WAIT_SECONDS = 5.0
 PAUSE_SECONDS_KEY = "pause_in_claim_seconds"
 
@@ -104,7 +104,7 @@ class PauseWorker(Fault):
         says how long ago, so no clock is shared with it)."""
         import psycopg
 
-        from chaos.nemesis_db import like_prefix
+        from skiplock.chaos.nemesis_db import like_prefix
 
         since = time.time() - opened + 0.05
         with psycopg.connect(self.ctx.dsn, autocommit=True, connect_timeout=2,

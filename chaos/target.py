@@ -1,6 +1,6 @@
 """The duplicate-detecting echo target: the HTTP endpoint every job is delivered to.
 
-It records every request it receives as one `reports.history.Delivery` line in
+It records every request it receives as one `skiplock.reports.history.Delivery` line in
 `OUT/deliveries/<name>.csv`, and does what the job's script (`payload["script"]`, a
 `JobScript.to_json()`) says: answer at once, answer a status, answer slowly, answer past the
 dispatcher's timeout, never answer, or reset the connection. A payload without a script
@@ -45,15 +45,15 @@ from typing import Any, assert_never
 
 from aiohttp import web
 
-from plumbing.orphans import die_with_parent, name_this_process
-from queue_impl.interface import (
+from skiplock.plumbing.orphans import die_with_parent, name_this_process
+from skiplock.queue_impl.interface import (
     ACCOUNT_HEADER,
     ATTEMPT_HEADER,
     JOB_ID_HEADER,
     LEASE_HEADER,
     WORKER_HEADER,
 )
-from reports.history import (
+from skiplock.reports.history import (
     DELIVERIES_DIR,
     DELIVERY_LOG,
     LOG_SUFFIX,
@@ -749,7 +749,8 @@ class TargetProcess:
     Started on entering the context (or by `start()`); port 0 lets the system pick a port,
     which the child reports back. Leaving the context stops it and leaves no process.
     `kill()` and `restart()` crash it and bring it back on the same address; `hang()` opens
-    a hang window. These are what the target faults act on (`chaos.nemesis.TargetHandle`)."""
+    a hang window. These are what the target faults act on
+    (`skiplock.chaos.nemesis.TargetHandle`)."""
 
     def __init__(
         self,

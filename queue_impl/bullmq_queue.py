@@ -4,7 +4,8 @@ Producers enqueue through BullMQ's own Lua script (`addStandardJob`, the one `Qu
 runs), called from a synchronous Redis client: the producers are gevent greenlets, and
 BullMQ's Python client is asyncio-only. The jobs of one `enqueue` go in one MULTI/EXEC, all
 or nothing, as `Queue.addBulk` sends them. Workers run BullMQ's `Worker` loop
-(`queue_impl.bullmq_worker`). The final snapshot reads each job's hash and the set it is in.
+(`skiplock.queue_impl.bullmq_worker`). The final snapshot reads each job's hash and the set it
+is in.
 
 What BullMQ promises, declared in `GUARANTEES` and recorded in the run's spec.json:
 - no per-account concurrency limits (they are BullMQ Pro's groups), so the checker does not
@@ -29,16 +30,16 @@ from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
-from queue_impl.bullmq_worker import job_fields, run_bullmq_worker
-from queue_impl.dispatcher import DispatcherConfig, EventSink
-from queue_impl.interface import (
+from skiplock.queue_impl.bullmq_worker import job_fields, run_bullmq_worker
+from skiplock.queue_impl.dispatcher import DispatcherConfig, EventSink
+from skiplock.queue_impl.interface import (
     Account,
     Guarantees,
     JobState,
     JobStatus,
     NewJob,
 )
-from queue_impl.native import DispatcherCallsRefused
+from skiplock.queue_impl.native import DispatcherCallsRefused
 
 GUARANTEES = Guarantees(account_limits=False, fencing=True, attempts_count="finished",
                         retry_cap=False, claim_transaction=False, recovery_switch=False)

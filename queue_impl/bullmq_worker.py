@@ -33,9 +33,9 @@ from collections.abc import Coroutine, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from queue_impl.dispatcher import DispatcherConfig, EventSink
-from queue_impl.interface import Lease, Outcome
-from queue_impl.native import NativeDelivery, cancel_leftovers, lease_token_of
+from skiplock.queue_impl.dispatcher import DispatcherConfig, EventSink
+from skiplock.queue_impl.interface import Lease, Outcome
+from skiplock.queue_impl.native import NativeDelivery, cancel_leftovers, lease_token_of
 
 # BullMQ's errors when a job's end cannot be written because this worker's pick is no longer
 # the job's (its lock expired and another pick, or the stall check, moved it): the script

@@ -28,7 +28,7 @@ Failpoint decisions and retry jitter draw from generators seeded with (config se
 id), so a run with a seed replays the same fault schedule.
 
 The dispatcher reports what it does through an `EventSink` (kinds as in
-`reports.history.WorkerEventKind`), so that this package imports nothing from the harness:
+`skiplock.reports.history.WorkerEventKind`), so that this package imports nothing from the harness:
 the worker pool wires the sink to the run directory.
 
 Signals: SIGTERM (and SIGINT) stop claiming, let in-flight calls finish (bounded by the HTTP
@@ -55,7 +55,7 @@ from typing import Any, Literal, Protocol, cast
 
 import aiohttp
 
-from queue_impl.interface import (
+from skiplock.queue_impl.interface import (
     ACCOUNT_HEADER,
     ATTEMPT_HEADER,
     JOB_ID_HEADER,
@@ -68,8 +68,8 @@ from queue_impl.interface import (
     RunsOwnWorker,
     WriteResult,
 )
-from queue_impl.retry import RetryPolicy, classify_status
-from queue_impl.ssrf import (
+from skiplock.queue_impl.retry import RetryPolicy, classify_status
+from skiplock.queue_impl.ssrf import (
     AllowedTarget,
     PinnedResolver,
     ResolutionFailed,
@@ -77,10 +77,10 @@ from queue_impl.ssrf import (
     UrlGuard,
 )
 
-# (kind, fields): kinds and fields as `reports.history.WorkerEventKind` documents them.
+# (kind, fields): kinds and fields as `skiplock.reports.history.WorkerEventKind` documents them.
 # `job_id` and `attempt` are lifted into the record; every other field is its data. The
-# worker log is CSV with a column per field (`reports.history.WORKER_LOG`), and it refuses a
-# field it has no column for: a new field needs its column there first.
+# worker log is CSV with a column per field (`skiplock.reports.history.WORKER_LOG`), and it
+# refuses a field it has no column for: a new field needs its column there first.
 EventSink = Callable[[str, Mapping[str, Any]], None]
 
 FailpointName = Literal["crash_after_claim", "crash_after_http"]
@@ -117,7 +117,7 @@ class ConfigError(ValueError):
 
 
 class BackendFactory(Protocol):
-    """What the dispatcher needs from `queue_impl.plugins.BackendSpec`: a picklable recipe
+    """What the dispatcher needs from `skiplock.queue_impl.plugins.BackendSpec`: a picklable recipe
     that opens a backend inside the process that calls it."""
 
     def create(self) -> QueueBackend: ...
@@ -1032,7 +1032,7 @@ def run_worker(
         sink("stop", {"reason": f"error: {type(exc).__name__}: {_one_line(exc)}"})
         raise
     if dispatcher is None:
-        from queue_impl.native import run_native_worker
+        from skiplock.queue_impl.native import run_native_worker
 
         # The queue's own consumer loop, which writes its own start and stop events.
         run_native_worker(cast(RunsOwnWorker, backend), config, worker_id, sink, early)

@@ -1,7 +1,7 @@
 """The one interface every system under test implements.
 
 The harness (dispatcher, producers, runner, tests) depends on `QueueBackend` only, never on
-the PostgreSQL class. The in-memory implementation in `queue_impl.memory` is the model the
+the PostgreSQL class. The in-memory implementation in `skiplock.queue_impl.memory` is the model the
 stateful tests compare the real queues against, and one contract suite runs over all of them.
 
 Times are timezone-aware `datetime`s. A backend reads "now" from its own clock (the database's
@@ -230,7 +230,7 @@ class RunsOwnWorker(Protocol):
     """An optional capability: the queue brings its own consumer loop (BullMQ's `Worker`,
     pgqueuer's `QueueManager`, ...), run in each worker process instead of skiplock's
     dispatcher, so a run covers the queue as its users deploy it. The loop hands each job to
-    a `queue_impl.native.NativeDelivery` (the same SSRF guard, timeout, identity headers,
+    a `skiplock.queue_impl.native.NativeDelivery` (the same SSRF guard, timeout, identity headers,
     failpoints and worker events as the dispatcher's) and returns once `stop` is set and the
     jobs it holds are finished. `claim`, `finish`, `renew`, `release` and `recover` are then
     never called by the harness."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from queue_impl.interface import (
+from skiplock.queue_impl.interface import (
     Account,
     AttemptResult,
     JobState,
@@ -28,7 +28,7 @@ from queue_impl.interface import (
     Outcome,
     WriteResult,
 )
-from queue_impl.validate import check_jobs
+from skiplock.queue_impl.validate import check_jobs
 
 
 @dataclass(kw_only=True)
@@ -62,7 +62,7 @@ class InMemoryQueue:
 
     name = "memory"
     # One process's dict: producers and workers in other processes would share nothing, so
-    # the harness refuses it for runs (queue_impl.plugins.is_shared).
+    # the harness refuses it for runs (skiplock.queue_impl.plugins.is_shared).
     shared = False
 
     def __init__(self, clock: Callable[[], datetime] | None = None) -> None:
@@ -360,7 +360,7 @@ def _lease(job: _Job) -> Lease:
 
 
 def factory(**_: object) -> InMemoryQueue:
-    """`queue_impl.memory:factory` for `--backend`: ignores dsn, schema and sql_path. One
+    """`skiplock.queue_impl.memory:factory` for `--backend`: ignores dsn, schema and sql_path. One
     queue per process, so it only suits single-process use (tests)."""
     return InMemoryQueue()
 

@@ -1,6 +1,6 @@
 """One skiplock function per job, for a queue that brings its own consumer loop.
 
-A native-worker backend (`queue_impl.interface.RunsOwnWorker`) runs its library's consumer
+A native-worker backend (`skiplock.queue_impl.interface.RunsOwnWorker`) runs its library's consumer
 (BullMQ's `Worker`, pgqueuer's `QueueManager`, ...) in each worker process. Its job handler
 turns the library's job into a `Lease` and calls `NativeDelivery.run`, which records the
 `claim` event, passes the crash failpoints and makes the HTTP call through the dispatcher's
@@ -27,7 +27,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from queue_impl.dispatcher import (
+from skiplock.queue_impl.dispatcher import (
     Call,
     Deliverer,
     DispatcherConfig,
@@ -37,7 +37,7 @@ from queue_impl.dispatcher import (
     renew_event,
     write_event,
 )
-from queue_impl.interface import AttemptResult, Lease, Outcome, RunsOwnWorker, WriteResult
+from skiplock.queue_impl.interface import AttemptResult, Lease, Outcome, RunsOwnWorker, WriteResult
 
 # Library identities of a pick (lock tokens, row versions) become lease tokens in this
 # namespace: the same in every process, different for every pick.

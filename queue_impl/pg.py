@@ -37,7 +37,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 
-from queue_impl.interface import (
+from skiplock.queue_impl.interface import (
     Account,
     AttemptResult,
     BackendName,
@@ -49,8 +49,13 @@ from queue_impl.interface import (
     StatementError,
     WriteResult,
 )
-from queue_impl.sqlfile import REFERENCE_PATH, placeholders, positional, statements_and_sources
-from queue_impl.validate import check_jobs
+from skiplock.queue_impl.sqlfile import (
+    REFERENCE_PATH,
+    placeholders,
+    positional,
+    statements_and_sources,
+)
+from skiplock.queue_impl.validate import check_jobs
 
 Variant = BackendName
 VARIANTS: tuple[Variant, ...] = get_args(BackendName)

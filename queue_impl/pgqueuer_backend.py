@@ -2,7 +2,7 @@
 example of a third-party queue under test as its users deploy it.
 
     pip install 'skiplock[pgqueuer]'
-    skiplock run steady --backend queue_impl.pgqueuer_backend:factory
+    skiplock run steady --backend skiplock.queue_impl.pgqueuer_backend:factory
 
 Importing this module needs pgqueuer (an optional extra): without it, naming the backend is
 refused with one line.
@@ -59,8 +59,8 @@ from pgqueuer.queries import Queries, SyncQueries
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from queue_impl.dispatcher import DispatcherConfig, EventSink
-from queue_impl.interface import (
+from skiplock.queue_impl.dispatcher import DispatcherConfig, EventSink
+from skiplock.queue_impl.interface import (
     Account,
     Guarantees,
     JobState,
@@ -69,7 +69,7 @@ from queue_impl.interface import (
     NewJob,
     Outcome,
 )
-from queue_impl.native import DispatcherCallsRefused, NativeDelivery, lease_token_of
+from skiplock.queue_impl.native import DispatcherCallsRefused, NativeDelivery, lease_token_of
 
 GUARANTEES = Guarantees(account_limits=True, fencing=False, attempts_count="finished",
                         retry_cap=True, claim_transaction=False, recovery_switch=False)
@@ -91,7 +91,7 @@ CREATE TABLE IF NOT EXISTS skiplock_accounts (id text PRIMARY KEY, concurrency_l
 
 
 def factory(*, dsn: str | None, schema: str, sql_path: str | None = None) -> PgqueuerQueue:
-    """`--backend queue_impl.pgqueuer_backend:factory`."""
+    """`--backend skiplock.queue_impl.pgqueuer_backend:factory`."""
     if sql_path is not None:
         raise ValueError("pgqueuer runs its own SQL; --sql does not apply to it")
     if not dsn:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from urllib.parse import unquote
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from queue_impl.interface import Guarantees, QueueBackend
+from skiplock.queue_impl.interface import Guarantees, QueueBackend
 
 BACKEND_NAMES: tuple[str, ...] = ("pg", "pg-naive", "pg-for-update", "pg-long-tx")
 # Queues on Redis, with their own worker loops: the run provisions Redis for them.
@@ -71,6 +72,10 @@ def shown_options(options: BackendOptions) -> dict[str, str]:
     return {k: ("***" if _SECRET_OPTION.search(k) else v) for k, v in options}
 
 
+# skiplock's own packages, once importable at the top level (before 0.2.0).
+_PARTS = frozenset({"plumbing", "queue_impl", "scenarios", "chaos", "reports"})
+
+
 def load_factory(name: str) -> Factory:
     """The callable named by `package.module:factory`; ValueError with one line if not."""
     match = _FACTORY.match(name)
@@ -80,6 +85,10 @@ def load_factory(name: str) -> Factory:
             "or package.module:factory"
         )
     module_name, attr = match.group("module"), match.group("attr")
+    moved = _moved_under_skiplock(module_name)
+    if moved is not None:
+        raise ValueError(f"backend {name!r}: skiplock's modules live under skiplock. now; "
+                         f"use --backend {moved}:{attr}")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import-time failure is the user's module, reported as such
@@ -91,6 +100,19 @@ def load_factory(name: str) -> Factory:
     if factory is None or not callable(factory):
         raise ValueError(f"backend {name!r}: {module_name} has no callable {attr!r}")
     return cast(Factory, factory)
+
+
+def _moved_under_skiplock(module_name: str) -> str | None:
+    """`queue_impl.x` as skiplock 0.1 spelled its own modules -> `skiplock.queue_impl.x`, when
+    that module exists; None for any other name (a team's own `reports.x` still loads)."""
+    if module_name.split(".")[0] not in _PARTS:
+        return None
+    moved = f"skiplock.{module_name}"
+    try:
+        found = importlib.util.find_spec(moved) is not None
+    except ImportError:  # a parent package that does not exist
+        found = False
+    return moved if found else None
 
 
 def validate_backend_name(name: str) -> None:
@@ -140,7 +162,7 @@ def _build(factory: Factory, name: str, dsn: str | None, schema: str,
         ) from exc
     if backend is None:
         raise ValueError(f"backend {name!r}: the factory returned None; it must return a"
-                         " QueueBackend (queue_impl.interface)")
+                         " QueueBackend (skiplock.queue_impl.interface)")
     if not isinstance(backend, QueueBackend):
         raise ValueError(
             f"backend {name!r}: the factory returned {type(backend).__name__}, "
@@ -170,7 +192,7 @@ def check_backend(name: str, *, dsn: str | None, schema: str,
         with contextlib.suppress(Exception):
             backend.close()
         raise ValueError(f"backend {name!r}: its guarantees must be a "
-                         f"queue_impl.interface.Guarantees, not {type(declared).__name__}")
+                         f"skiplock.queue_impl.interface.Guarantees, not {type(declared).__name__}")
     try:
         backend.close()
     except Exception as exc:
@@ -342,7 +364,7 @@ class BackendSpec:
     def create(self) -> QueueBackend:
         """Build the queue in the calling process (its connections open lazily, here)."""
         if self.name in BACKEND_NAMES:
-            from queue_impl.pg import PgQueue, Variant
+            from skiplock.queue_impl.pg import PgQueue, Variant
 
             if not self.dsn:
                 raise ValueError(f"backend {self.name!r} needs a PostgreSQL DSN")
@@ -353,7 +375,7 @@ class BackendSpec:
                 variant=cast(Variant, self.name),
             )
         if self.name in REDIS_BACKENDS:
-            from queue_impl.bullmq_queue import BullmqQueue
+            from skiplock.queue_impl.bullmq_queue import BullmqQueue
 
             if not self.redis_url:
                 raise ValueError(f"backend {self.name!r} needs a Redis URL")

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from queue_impl.interface import Outcome
+from skiplock.queue_impl.interface import Outcome
 
 TRANSIENT_STATUSES = frozenset({408, 429})
 

@@ -11,7 +11,7 @@ import unicodedata
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from queue_impl.interface import NewJob
+from skiplock.queue_impl.interface import NewJob
 
 ALLOWED_SCHEMES = frozenset({"http", "https"})
 

@@ -4,11 +4,11 @@ It builds a synthetic run directory with N deliveries and the worker events that
 them (a realistic mix: most jobs succeed at once, some retry with backoff after 503s, a few
 are dead-lettered by a 400, a few succeed twice because a worker's result write was lost),
 then checks it twice and prints the seconds spent loading and judging: a cold check, which
-parses the CSV logs and writes the columnar cache (`reports.columnar`), and a warm check of
+parses the CSV logs and writes the columnar cache (`skiplock.reports.columnar`), and a warm check of
 the same history, which reads the cache. The result JSON records both, the cache's size, and
 the machine, versions and git state it was measured on.
 
-The history is written by `reports.synthetic.RunBuilder`, through the same record builders
+The history is written by `skiplock.reports.synthetic.RunBuilder`, through the same record builders
 the producers, the echo target and the dispatcher use.
 """
 
@@ -24,13 +24,13 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
-from reports import columnar
-from reports.checker import check_run
-from reports.history import (
+from skiplock.reports import columnar
+from skiplock.reports.checker import check_run
+from skiplock.reports.history import (
     write_json,
 )
-from reports.selfdescribe import describe
-from reports.synthetic import RunBuilder, history_files
+from skiplock.reports.selfdescribe import describe
+from skiplock.reports.synthetic import RunBuilder, history_files
 
 # --------------------------------------------------------------------------------------------
 # The synthetic history.

@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from reports.checker import (
+from skiplock.reports.checker import (
     COUNT_KEYS,
     DEFAULT_TOLERANCE_SECONDS,
     VIOLATION_KEYS,
@@ -27,7 +27,7 @@ from reports.checker import (
     check_run,
     write_verdict,
 )
-from reports.history import VERDICT_FILE, HistoryError
+from skiplock.reports.history import VERDICT_FILE, HistoryError
 
 EXIT_BAD_INPUT = 2
 EXIT_HARNESS = 4

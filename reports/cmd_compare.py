@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from plumbing.errors import UsageError
+from skiplock.plumbing.errors import UsageError
 
 # A figure: (name, value, True when higher is better).
 Figure = tuple[str, float, bool]

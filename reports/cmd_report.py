@@ -12,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from reports.history import HistoryError
-from reports.report import write_report
+from skiplock.reports.history import HistoryError
+from skiplock.reports.report import write_report
 
 EXIT_BAD_INPUT = 2
 EXIT_HARNESS = 4

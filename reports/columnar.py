@@ -32,7 +32,7 @@ from typing import Any
 import pyarrow as pa  # type: ignore[import-untyped]
 import pyarrow.ipc as ipc  # type: ignore[import-untyped]
 
-from reports.history import DELIVERIES_DIR, WORKERS_DIR
+from skiplock.reports.history import DELIVERIES_DIR, WORKERS_DIR
 
 CACHE_DIR = ".cache"
 SUFFIX = ".arrow"

@@ -47,13 +47,13 @@ from pathlib import Path
 from typing import Any, Literal, Self, cast
 
 # The wire protocol belongs to the dispatcher; re-exported so readers import one module.
-from queue_impl.interface import (  # noqa: F401
+from skiplock.queue_impl.interface import (  # noqa: F401
     ACCOUNT_HEADER,
     ATTEMPT_HEADER,
     JOB_ID_HEADER,
     WORKER_HEADER,
 )
-from queue_impl.retry import status_is_transient  # noqa: F401
+from skiplock.queue_impl.retry import status_is_transient  # noqa: F401
 
 SPEC_FILE = "spec.json"
 ENQUEUES_FILE = "enqueues.csv"

@@ -6,11 +6,11 @@ the `max_attempts` the producer asked for, the run's HTTP timeout and the retry 
 taken from the run's configuration, never from values the queue wrote about itself, so a
 queue that records wrong attempt counts or states is still caught.
 
-Classification follows `queue_impl.retry`: a 2xx answer inside the timeout is a success; 5xx,
-408, 429, timeouts and connection errors are transient; any other status is permanent. SLOW
-answering inside the timeout is a success; HANG past it is a timeout (transient), as are
-HANG_FOREVER and RESET. A SLOW or HANG step whose delay is on the other side of the timeout is
-judged by its delay, not by its name.
+Classification follows `skiplock.queue_impl.retry`: a 2xx answer inside the timeout is a
+success; 5xx, 408, 429, timeouts and connection errors are transient; any other status is
+permanent. SLOW answering inside the timeout is a success; HANG past it is a timeout
+(transient), as are HANG_FOREVER and RESET. A SLOW or HANG step whose delay is on the other side
+of the timeout is judged by its delay, not by its name.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, assert_never
 
-from queue_impl.interface import JobStatus, Outcome
-from queue_impl.retry import classify_status
-from reports.history import SUCCEED, Behaviour, JobScript, Step
+from skiplock.queue_impl.interface import JobStatus, Outcome
+from skiplock.queue_impl.retry import classify_status
+from skiplock.reports.history import SUCCEED, Behaviour, JobScript, Step
 
 
 class Expected(StrEnum):

@@ -23,9 +23,9 @@ from typing import Any
 
 import pandas as pd
 
-from reports.checker import MEANINGS
-from reports.history import HistoryError
-from reports.report_data import (
+from skiplock.reports.checker import MEANINGS
+from skiplock.reports.history import HistoryError
+from skiplock.reports.report_data import (
     VIOLATIONS,
     RunData,
     bin_seconds,
@@ -36,7 +36,7 @@ from reports.report_data import (
     span,
     verdict_word,
 )
-from reports.report_plots import (
+from skiplock.reports.report_plots import (
     attempts_figure,
     latency_figure,
     load_figure,

@@ -23,8 +23,8 @@ from typing import Any, cast
 import numpy as np
 import pandas as pd
 
-from reports.checker import MEANINGS, VIOLATION_KEYS
-from reports.history import (
+from skiplock.reports.checker import MEANINGS, VIOLATION_KEYS
+from skiplock.reports.history import (
     DELIVERIES_DIR,
     ENQUEUES_FILE,
     FINAL_JOBS_FILE,

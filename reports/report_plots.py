@@ -22,7 +22,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from reports.report_data import (
+from skiplock.reports.report_data import (
     RunData,
     attempts_table,
     in_flight_by_account,

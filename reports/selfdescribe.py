@@ -17,6 +17,8 @@ from typing import Any
 
 import psycopg
 
+from skiplock import __version__
+
 PACKAGES = (
     "skiplock",
     "psycopg",
@@ -44,6 +46,8 @@ PG_SETTINGS = (
     "jit",
 )
 
+# The checkout this module was loaded from; an installed wheel has none (site-packages may sit
+# inside somebody else's repository, whose commit would say nothing about skiplock).
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -100,7 +104,9 @@ def packages() -> dict[str, str | None]:
 
 
 def git_info(root: Path = REPO_ROOT) -> dict[str, Any]:
-    """The commit and whether the tree had uncommitted changes (None when not a git tree)."""
+    """The commit and whether the tree had uncommitted changes (None when not a checkout)."""
+    if not (root / ".git").exists():
+        return {"sha": None, "dirty": None, "branch": None}
 
     def git(*args: str) -> str | None:
         try:
@@ -142,6 +148,7 @@ def postgres(dsn: str) -> dict[str, Any]:
 
 def describe(dsn: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {
+        "skiplock": {"version": __version__},
         "machine": machine(),
         "python": python(),
         "packages": packages(),

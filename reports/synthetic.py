@@ -1,6 +1,6 @@
-"""Writing a run directory by hand, in the schema of `reports.history`, through the same
+"""Writing a run directory by hand, in the schema of `skiplock.reports.history`, through the same
 record builders the real writers use: the producers' `EnqueueOp`, the echo target's
-`Delivery`, the dispatcher's event fields (`queue_impl.dispatcher.claim_event`,
+`Delivery`, the dispatcher's event fields (`skiplock.queue_impl.dispatcher.claim_event`,
 `http_event`, `write_event`) and its judgement of an answer (`call_for_status`), and the
 worker log's `worker_event_record`. `RunBuilder.attempt` writes one attempt as a correct
 dispatcher records it, so a hand-built history cannot say what the dispatcher never writes
@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from queue_impl.dispatcher import (
+from skiplock.queue_impl.dispatcher import (
     Call,
     call_for_status,
     claim_event,
@@ -26,9 +26,9 @@ from queue_impl.dispatcher import (
     timed_out_call,
     write_event,
 )
-from queue_impl.interface import Lease, Outcome
-from reports import columnar
-from reports.history import (
+from skiplock.queue_impl.interface import Lease, Outcome
+from skiplock.reports import columnar
+from skiplock.reports.history import (
     DELIVERIES_DIR,
     DELIVERY_LOG,
     ENQUEUE_LOG,

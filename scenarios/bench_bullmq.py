@@ -11,7 +11,7 @@ completed divided by the duration is the rate, as the PgQueue phase counts the j
 workers finished in the same time. BullMQ keeps completed jobs (its default), as the reference
 keeps COMPLETED rows.
 
-Redis comes from `scenarios.provision_redis`, durable in the same class as the PostgreSQL
+Redis comes from `skiplock.scenarios.provision_redis`, durable in the same class as the PostgreSQL
 phases (an append-only file fsynced before each reply, against commits fsynced before they
 return); the result records both servers' settings. The `bullmq` package is pinned to the last
 release that does not pin `croniter` below what pgqueuer needs, so both comparisons install
@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, cast
 
-from scenarios.bench_queue import processes_in_step, require_package, say_progress
+from skiplock.scenarios.bench_queue import processes_in_step, require_package, say_progress
 
 QUEUE_NAME = "skiplock-bench"
 ENQUEUE_CHUNK = 1_000
@@ -44,7 +44,7 @@ def redis_for(url: str | None, durability: str, say: Any) -> Iterator[Any]:
     """The Redis a comparison runs on, in the class matching `durability` (`fsync`: AOF
     fsynced per write; `relaxed`: once a second), said in one line, with a warning when a
     server given by URL runs otherwise."""
-    from scenarios.provision_redis import Durability, redis_server
+    from skiplock.scenarios.provision_redis import Durability, redis_server
 
     appendfsync: Durability = "always" if durability == "fsync" else "everysec"
     with redis_server(url, durability=appendfsync) as redis:
@@ -98,7 +98,7 @@ async def _counts(url: str) -> dict[str, int]:
 async def _work(url: str, batch: int, duration: float, ready: Any, go: Any) -> None:
     from bullmq import Worker
 
-    from queue_impl.bullmq_worker import run_until
+    from skiplock.queue_impl.bullmq_worker import run_until
 
     async def process(_job: Any, _token: str) -> None:
         return None
@@ -136,7 +136,7 @@ class _CompletedCounter:
 
 
 def _worker(url: str, batch: int, duration: float, ready: Any, go: Any) -> None:
-    from queue_impl.bullmq_worker import run_in_own_loop
+    from skiplock.queue_impl.bullmq_worker import run_in_own_loop
 
     run_in_own_loop(_work(url, batch, duration, ready, go))
 
@@ -176,10 +176,10 @@ def _e2e_worker(url: str, config: Any, worker_id: str, events_path: str, ready: 
                 go: Any, duration: float) -> None:
     from pathlib import Path
 
-    from plumbing.orphans import name_this_process
-    from queue_impl.bullmq_worker import run_bullmq_worker, run_in_own_loop
-    from reports.history import WORKER_LOG, LogWriter
-    from scenarios.workers import log_sink
+    from skiplock.plumbing.orphans import name_this_process
+    from skiplock.queue_impl.bullmq_worker import run_bullmq_worker, run_in_own_loop
+    from skiplock.reports.history import WORKER_LOG, LogWriter
+    from skiplock.scenarios.workers import log_sink
 
     name_this_process("skiplock-worker")
     writer = LogWriter(Path(events_path), WORKER_LOG)
@@ -205,7 +205,7 @@ async def _prefill_deliveries(url: str, count: int, target_url: str,
 
     from bullmq import Queue
 
-    from queue_impl.bullmq_worker import job_fields
+    from skiplock.queue_impl.bullmq_worker import job_fields
 
     queue = Queue(QUEUE_NAME, {"connection": url})
     try:
@@ -229,9 +229,9 @@ def bullmq_e2e_phase(url: str, params: Any, say: Any) -> Any:
 
     import multiprocess
 
-    from chaos.target import TargetProcess
-    from queue_impl.dispatcher import DispatcherConfig
-    from scenarios.bench_e2e import judge_window, timed_window
+    from skiplock.chaos.target import TargetProcess
+    from skiplock.queue_impl.dispatcher import DispatcherConfig
+    from skiplock.scenarios.bench_e2e import judge_window, timed_window
 
     version = require_bullmq()
     with tempfile.TemporaryDirectory(prefix="skiplock-bench-bullmq-") as tmp:

@@ -30,11 +30,11 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from plumbing.errors import UsageError
-from queue_impl.pg import apply_plan_settings, explain_as_run
-from queue_impl.sqlfile import statements_and_sources
-from reports.selfdescribe import describe
-from scenarios.provision import postgres
+from skiplock.plumbing.errors import UsageError
+from skiplock.queue_impl.pg import apply_plan_settings, explain_as_run
+from skiplock.queue_impl.sqlfile import statements_and_sources
+from skiplock.reports.selfdescribe import describe
+from skiplock.scenarios.provision import postgres
 
 SCHEMA_PREFIX = "skiplock_bench_claim"
 OTHER_DUE = 20

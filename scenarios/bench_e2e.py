@@ -27,12 +27,12 @@ from typing import Any
 
 import pandas as pd
 
-from chaos.bench_target import cpu_seconds
-from plumbing.errors import HarnessError, UsageError
-from reports.selfdescribe import describe
-from scenarios import bench_queue
-from scenarios.cpu import CpuWindow
-from scenarios.provision import postgres
+from skiplock.chaos.bench_target import cpu_seconds
+from skiplock.plumbing.errors import HarnessError, UsageError
+from skiplock.reports.selfdescribe import describe
+from skiplock.scenarios import bench_queue
+from skiplock.scenarios.cpu import CpuWindow
+from skiplock.scenarios.provision import postgres
 
 DEFAULT_DURATION = 10.0
 # Jobs per second of duration put in each phase's backlog: more than either phase can take.
@@ -94,7 +94,7 @@ def _validate(args: argparse.Namespace) -> tuple[bench_queue.Params, Path]:
     if prefill <= 0:
         raise UsageError(f"--prefill must be a positive integer, got {prefill}")
     if args.against == "bullmq":
-        from scenarios.bench_bullmq import require_bullmq
+        from skiplock.scenarios.bench_bullmq import require_bullmq
 
         require_bullmq()
     elif args.redis_url is not None:
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
             redis = None
             if args.against == "bullmq":
                 # Before the PostgreSQL phases: a bad Redis URL is said at once.
-                from scenarios.bench_bullmq import redis_for
+                from skiplock.scenarios.bench_bullmq import redis_for
 
                 redis = stack.enter_context(redis_for(args.redis_url, args.durability, _say))
             try:
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 bench_queue.drop_schemas(server.dsn, schemas)
             if redis is not None:
-                from scenarios.bench_bullmq import bullmq_e2e_phase, redis_record
+                from skiplock.scenarios.bench_bullmq import bullmq_e2e_phase, redis_record
 
                 _say("phase 3, BullMQ end to end")
                 bullmq = {"redis": redis_record(redis),
@@ -202,10 +202,10 @@ def _print_summary(doc: Mapping[str, Any]) -> None:
 
 def e2e_phase(dsn: str, schema: str, params: bench_queue.Params, *,
               refill: bool = True) -> E2eResult:
-    from chaos.target import TargetProcess
-    from queue_impl.dispatcher import DispatcherConfig
-    from queue_impl.plugins import BackendSpec
-    from scenarios.workers import WorkerPool
+    from skiplock.chaos.target import TargetProcess
+    from skiplock.queue_impl.dispatcher import DispatcherConfig
+    from skiplock.queue_impl.plugins import BackendSpec
+    from skiplock.scenarios.workers import WorkerPool
 
     with tempfile.TemporaryDirectory(prefix="skiplock-bench-e2e-") as tmp:
         events = Path(tmp) / "workers"

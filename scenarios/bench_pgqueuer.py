@@ -23,8 +23,8 @@ from typing import Any
 
 import psycopg
 
-from scenarios.bench_queue import processes_in_step, require_package, say_progress
-from scenarios.provision import fresh_database
+from skiplock.scenarios.bench_queue import processes_in_step, require_package, say_progress
+from skiplock.scenarios.provision import fresh_database
 
 ENTRYPOINT = "skiplock_bench"
 ENQUEUE_CHUNK = 5_000
@@ -66,7 +66,7 @@ async def _work(dsn: str, batch: int, duration: float, ready: Any, go: Any) -> N
     from pgqueuer.qm import QueueManager
     from pgqueuer.queries import Queries
 
-    from queue_impl.pgqueuer_backend import asyncpg_params
+    from skiplock.queue_impl.pgqueuer_backend import asyncpg_params
 
     # asyncpg, as pgqueuer's own quick start runs it: its psycopg driver's listener holds
     # the connection up to a second at a time waiting for notifications.

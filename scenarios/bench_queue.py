@@ -32,11 +32,10 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from plumbing.errors import HarnessError, UsageError
-from reports.selfdescribe import describe
-from scenarios.provision import pg_binary, postgres
+from skiplock.plumbing.errors import HarnessError, UsageError
+from skiplock.reports.selfdescribe import describe
+from skiplock.scenarios.provision import pg_binary, postgres
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 LEASE = timedelta(seconds=300)
 ENQUEUE_CHUNK = 5_000
 # How long a comparison's worker process may take to connect and say it is ready.
@@ -154,11 +153,11 @@ def run(args: argparse.Namespace) -> int:
     params = validate(args)
     against = getattr(args, "against", None)
     if against == "pgqueuer":
-        from scenarios.bench_pgqueuer import require_pgqueuer
+        from skiplock.scenarios.bench_pgqueuer import require_pgqueuer
 
         require_pgqueuer()  # said before anything runs
     elif against == "bullmq":
-        from scenarios.bench_bullmq import require_bullmq
+        from skiplock.scenarios.bench_bullmq import require_bullmq
 
         require_bullmq()
     if getattr(args, "redis_url", None) is not None and against != "bullmq":
@@ -187,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         dsn = session_dsn(server.dsn, args.durability)
         if against == "bullmq":
             # Reached before the PostgreSQL phases: a bad Redis URL is said at once.
-            from scenarios.bench_bullmq import bullmq_phase, redis_for, redis_record
+            from skiplock.scenarios.bench_bullmq import bullmq_phase, redis_for, redis_record
 
             with redis_for(args.redis_url, args.durability, _say) as redis:
                 result = measure(dsn, params)
@@ -198,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             result, other = measure(dsn, params), None
             if against == "pgqueuer":
-                from scenarios.bench_pgqueuer import pgqueuer_phase
+                from skiplock.scenarios.bench_pgqueuer import pgqueuer_phase
 
                 other = pgqueuer_phase(dsn, workers=params.workers,
                                        batch=params.batch, duration=params.duration,
@@ -360,8 +359,8 @@ def measure(dsn: str, params: Params) -> dict[str, Any]:
 
 def prefill(dsn: str, schema: str, count: int, *,
              target_url: str = "http://127.0.0.1:9/deliver") -> dict[str, Any]:
-    from queue_impl.interface import NewJob
-    from queue_impl.pg import PgQueue
+    from skiplock.queue_impl.interface import NewJob
+    from skiplock.queue_impl.pg import PgQueue
 
     queue = PgQueue(dsn, schema=schema)
     try:
@@ -437,8 +436,8 @@ def _queue_worker(
 ) -> None:
     """One benchmark worker process: its own queue and connection, opened here, after the
     fork. Claims and finishes until the shared deadline, then writes its figures to a file."""
-    from queue_impl.interface import AttemptResult, Outcome
-    from queue_impl.pg import PgQueue
+    from skiplock.queue_impl.interface import AttemptResult, Outcome
+    from skiplock.queue_impl.pg import PgQueue
 
     # Ctrl-C is the parent's to handle: it stops every worker and the server in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -545,7 +544,7 @@ def queue_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
         extra={
             "claim_p50_ms": percentile(claims, 0.50),
             "claim_p99_ms": percentile(claims, 0.99),
-            "driver": "queue_impl.pg.PgQueue (variant pg), multiprocess fork",
+            "driver": "skiplock.queue_impl.pg.PgQueue (variant pg), multiprocess fork",
         },
     )
 
@@ -633,7 +632,7 @@ def _pg_env(dsn: str, schema: str) -> dict[str, str]:
 
 
 def _pgbench_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
-    from queue_impl.sqlfile import reference_statements
+    from skiplock.queue_impl.sqlfile import reference_statements
 
     pgbench = pg_binary("pgbench")
     before = _pending(dsn, schema)

@@ -39,16 +39,16 @@ import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
-from chaos.nemesis import (
+from skiplock.chaos.nemesis import (
     FAILPOINT_KINDS,
     NEMESIS_KINDS,
     OWNED_SERVER_KINDS,
     default_duration,
     spec_from_mapping,
 )
-from plumbing.argtypes import positive_float, positive_int
-from plumbing.errors import HarnessError, UsageError
-from reports.history import (
+from skiplock.plumbing.argtypes import positive_float, positive_int
+from skiplock.plumbing.errors import HarnessError, UsageError
+from skiplock.reports.history import (
     DELIVERIES_DIR,
     ENQUEUES_FILE,
     LOG_SUFFIX,
@@ -60,8 +60,8 @@ from reports.history import (
     read_jsonl,
     write_json,
 )
-from reports.selfdescribe import describe
-from scenarios.spec import ScenarioSpec, SpecError, from_mapping
+from skiplock.reports.selfdescribe import describe
+from skiplock.scenarios.spec import ScenarioSpec, SpecError, from_mapping
 
 # The order the kinds run in by default: every kind a scenario may name.
 DEFAULT_KINDS: tuple[str, ...] = NEMESIS_KINDS
@@ -376,7 +376,7 @@ def window_of(kind: str, spec: ScenarioSpec) -> float:
 
 
 def verdict_summary(verdict: Any) -> dict[str, Any]:
-    from reports.checker import VIOLATION_KEYS
+    from skiplock.reports.checker import VIOLATION_KEYS
 
     counts = dict(verdict.counts)
     violations = {k: v for k, v in counts.items() if k in VIOLATION_KEYS and v}
@@ -395,7 +395,7 @@ def verdict_summary(verdict: Any) -> dict[str, Any]:
 def run_kind(kind: str, params: Params, *, server: Any, runs: Path) -> dict[str, Any]:
     """One kind's run, analysed from its directory. A harness failure is this kind's
     result (`error`), not the benchmark's end."""
-    from scenarios.runner import RunOptions, run_scenario
+    from skiplock.scenarios.runner import RunOptions, run_scenario
 
     spec = spec_for(kind, params)
     row: dict[str, Any] = {"kind": kind, "planned_window_seconds": window_of(kind, spec),
@@ -537,7 +537,7 @@ def bench(params: Params, *, dsn: str | None, runs: Path, out: Path | None = Non
           say: Callable[[str], None] = print) -> dict[str, Any]:
     """Every kind's run on one server; the self-describing result, also written to `out`
     (when given) if the benchmark is interrupted or the server fails."""
-    from scenarios.gate import gate_server
+    from skiplock.scenarios.gate import gate_server
 
     started = time.time()
     rows: list[dict[str, Any]] = []

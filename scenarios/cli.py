@@ -20,11 +20,12 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from plumbing.errors import HarnessError, Terminated, UsageError, sigterm_as_interrupt
+from skiplock import __version__
+from skiplock.plumbing.errors import HarnessError, Terminated, UsageError, sigterm_as_interrupt
 
 __all__ = ["COMMANDS", "EPILOGS", "Terminated", "build_parser", "main", "sigterm_as_interrupt"]
 
-# command name -> (module, one-line help)
+# command name -> (module under `skiplock`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("scenarios.cmd_demo", "short friendly end-to-end run on embedded servers"),
     "run": ("scenarios.cmd_run", "run one scenario and judge it"),
@@ -256,7 +257,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _load(module_name: str) -> ModuleType:
-    return importlib.import_module(module_name)
+    return importlib.import_module(f"skiplock.{module_name}")
 
 
 def _wrapped(words: Sequence[str]) -> str:
@@ -268,14 +269,14 @@ def epilog(name: str) -> str:
     """The command's --help epilog, with the scenario names and keys it mentions."""
     text = EPILOGS.get(name, "")
     if "{scenarios}" in text or "{keys}" in text:
-        from scenarios.spec import SCALAR_KEYS, available
+        from skiplock.scenarios.spec import SCALAR_KEYS, available
 
         keys = [*SCALAR_KEYS, "accounts.ID (a limit or unlimited)", "account_mix.ID",
                 "mix.SCRIPT", "failpoints.NAME"]
         text = text.replace("{scenarios}", _wrapped(available())).replace("{keys}",
                                                                           _wrapped(keys))
     if "{suite}" in text:
-        from scenarios.gate import SUITE
+        from skiplock.scenarios.gate import SUITE
 
         text = text.replace("{suite}", _wrapped(SUITE))
     return text
@@ -286,6 +287,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true",
                         help="on any error, print the traceback as well as the one line")
+    parser.add_argument("--version", action="version", version=f"skiplock {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name, (module_name, help_text) in COMMANDS.items():

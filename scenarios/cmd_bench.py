@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-# name -> (module exposing configure(parser) and run(args) -> int, help)
+# name -> (module under `skiplock` exposing configure(parser) and run(args) -> int, help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "queue": ("scenarios.bench_queue", "queue-only throughput against the raw-SQL ceiling"),
     "claim": ("scenarios.bench_claim", "one claim's cost as a full account's backlog grows"),
@@ -22,8 +22,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sub.required = True
     for name, (module_name, help_text) in BENCHMARKS.items():
         bench_parser = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module_name).configure(bench_parser)
-        bench_parser.set_defaults(_bench_module=module_name)
+        module = f"skiplock.{module_name}"
+        importlib.import_module(module).configure(bench_parser)
+        bench_parser.set_defaults(_bench_module=module)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from scenarios.cmd_run import (
+from skiplock.scenarios.cmd_run import (
     add_scenario_arguments,
     backend_options,
     checked_server,
@@ -28,7 +28,7 @@ from scenarios.cmd_run import (
     run_options,
     verdict_label,
 )
-from scenarios.spec import ScenarioSpec, load, replay_command
+from skiplock.scenarios.spec import ScenarioSpec, load, replay_command
 
 # The demo's scenario: `steady` with this load and these faulty scripts mixed in, under its
 # own name, so that nothing calls it fault-free.
@@ -89,8 +89,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from scenarios.progress import LiveProgress
-    from scenarios.runner import run_scenario
+    from skiplock.scenarios.progress import LiveProgress
+    from skiplock.scenarios.runner import run_scenario
 
     user_overrides = list(args.overrides)
     is_demo = args.scenario == DEMO_BASE
@@ -132,7 +132,7 @@ def latencies(run_dir: Path, http_timeout: float) -> dict[str, float | None]:
     number of 2xx answers of any time (`answered_2xx`), as the live table counts them."""
     import pandas as pd
 
-    from reports.history import (
+    from skiplock.reports.history import (
         DELIVERIES_DIR,
         DELIVERY_LOG,
         ENQUEUE_LOG,
@@ -169,7 +169,7 @@ _DESCRIPTIVE = ("enqueued", "delivered", "completed", "failed", "duplicate_expla
 
 def summary_table(run_dir: Path, verdict: Any, load_seconds: float,
                   http_timeout: float) -> Table:
-    from scenarios.progress import LABELS
+    from skiplock.scenarios.progress import LABELS
 
     counts: dict[str, int] = dict(verdict.counts)
     lat = latencies(run_dir, http_timeout)

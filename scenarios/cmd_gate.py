@@ -14,10 +14,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from plumbing.errors import UsageError
-from scenarios.cmd_run import backend_options, check_dsn
-from scenarios.gate import DEFAULT_OUT, SUITE, line, resolve_scenarios, run_gate
-from scenarios.provision import DSN_ENV, check_reachable
+from skiplock.plumbing.errors import UsageError
+from skiplock.scenarios.cmd_run import backend_options, check_dsn
+from skiplock.scenarios.gate import DEFAULT_OUT, SUITE, line, resolve_scenarios, run_gate
+from skiplock.scenarios.provision import DSN_ENV, check_reachable
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from scenarios.cmd_run import check_out, check_system_under_test
+    from skiplock.scenarios.cmd_run import check_out, check_system_under_test
 
     check_system_under_test(args.backend, args.sql_path)
     check_dsn(args.dsn)
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     scenarios = resolve_scenarios(args.only)
     overrides = list(args.overrides) + (["recovery=false"] if args.no_recovery else [])
     # Every scenario must load with the overrides before anything runs.
-    from scenarios.spec import SpecError, load
+    from skiplock.scenarios.spec import SpecError, load
 
     for scenario in scenarios:
         try:

@@ -6,7 +6,7 @@ jobs table to each of `--sizes` (10k, 100k, 1M and 10M jobs by default) with the
 realistic mix, and at each size measures the claim (wall time over several runs, and its
 executed plans: milliseconds, buffers, rows filtered out), recovery and the result write,
 with the queue's partial indexes, with plain indexes instead, under a snapshot held open
-while jobs churn, and vacuumed again (`scenarios.plans` says how). The figures per claimed
+while jobs churn, and vacuumed again (`skiplock.scenarios.plans` says how). The figures per claimed
 job, against table size, show which of these a claim's cost follows.
 
 It writes `plans.json` (every figure, each fill's time and counts, the machine, versions and
@@ -28,11 +28,11 @@ from typing import Any
 
 import pandas as pd
 
-from plumbing.argtypes import positive_int
-from plumbing.errors import UsageError
-from queue_impl.sqlfile import statements_and_sources
-from reports.selfdescribe import describe
-from scenarios.plans import (
+from skiplock.plumbing.argtypes import positive_int
+from skiplock.plumbing.errors import UsageError
+from skiplock.queue_impl.sqlfile import statements_and_sources
+from skiplock.reports.selfdescribe import describe
+from skiplock.scenarios.plans import (
     CHURN_CAP,
     CHURN_DIVISOR,
     CHURN_ROUNDS,
@@ -45,7 +45,7 @@ from scenarios.plans import (
     Measurement,
     measure_sizes,
 )
-from scenarios.provision import postgres
+from skiplock.scenarios.provision import postgres
 
 DEFAULT_SIZES = "10k,100k,1m,10m"
 MAX_SIZE = 100_000_000

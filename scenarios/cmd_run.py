@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from chaos.nemesis import NemesisError, check_schedule, shortcut
-from plumbing.errors import Unhonoured, UsageError
-from scenarios.provision import DSN_ENV, PgServer
-from scenarios.spec import ScenarioSpec, SpecError, available, load
+from skiplock.chaos.nemesis import NemesisError, check_schedule, shortcut
+from skiplock.plumbing.errors import Unhonoured, UsageError
+from skiplock.scenarios.provision import DSN_ENV, PgServer
+from skiplock.scenarios.spec import ScenarioSpec, SpecError, available, load
 
 if TYPE_CHECKING:
-    from scenarios.runner import RunOptions
+    from skiplock.scenarios.runner import RunOptions
 
 
 def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,8 +82,8 @@ def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
 def check_system_under_test(backend: str, sql_path: str | None) -> None:
     """The backend name and the --sql file, checked before any server or process starts,
     so that either is exit 2 with one line."""
-    from queue_impl.plugins import REDIS_BACKENDS, validate_backend_name
-    from queue_impl.sqlfile import SqlFileError, statements_with_overrides
+    from skiplock.queue_impl.plugins import REDIS_BACKENDS, validate_backend_name
+    from skiplock.queue_impl.sqlfile import SqlFileError, statements_with_overrides
 
     try:
         validate_backend_name(backend)
@@ -143,10 +143,10 @@ def resolve(args: argparse.Namespace, scenario: str) -> tuple[ScenarioSpec, int]
 def check_honoured(spec: ScenarioSpec, backend: str) -> None:
     """A built-in queue's promises are known before anything starts: a setting it cannot
     honour is refused here (a plug-in's, once its factory has built it, by the run)."""
-    from queue_impl.bullmq_queue import GUARANTEES as BULLMQ
-    from queue_impl.interface import REFERENCE_GUARANTEES
-    from queue_impl.plugins import BACKEND_NAMES, REDIS_BACKENDS
-    from scenarios.honoured import unhonoured
+    from skiplock.queue_impl.bullmq_queue import GUARANTEES as BULLMQ
+    from skiplock.queue_impl.interface import REFERENCE_GUARANTEES
+    from skiplock.queue_impl.plugins import BACKEND_NAMES, REDIS_BACKENDS
+    from skiplock.scenarios.honoured import unhonoured
 
     known = (REFERENCE_GUARANTEES if backend in BACKEND_NAMES
              else BULLMQ if backend in REDIS_BACKENDS else None)
@@ -158,13 +158,13 @@ def check_honoured(spec: ScenarioSpec, backend: str) -> None:
 def check_redis_url(backend: str, url: str | None) -> None:
     """--redis-url only with a Redis backend (it would be ignored otherwise), and not empty;
     whether it answers is checked when the run provisions it."""
-    from queue_impl.plugins import REDIS_BACKENDS
+    from skiplock.queue_impl.plugins import REDIS_BACKENDS
 
     if url is not None and backend not in REDIS_BACKENDS:
         raise UsageError(f"--redis-url is for a Redis backend ({', '.join(REDIS_BACKENDS)}); "
                          f"backend {backend!r} does not use Redis: leave it out")
     if backend in REDIS_BACKENDS:
-        from scenarios.provision_redis import REDIS_URL_ENV, check_reachable
+        from skiplock.scenarios.provision_redis import REDIS_URL_ENV, check_reachable
 
         if url is not None and not url.strip():
             raise UsageError("--redis-url is empty: give a URL such as redis://127.0.0.1:6379/0,"
@@ -180,7 +180,7 @@ def check_dsn(dsn: str | None) -> None:
     """An empty --dsn, or a DSN libpq would read otherwise than written (a password with an
     unescaped `@` or `/` becomes a host or a database), is refused without printing any part
     of its password."""
-    from queue_impl.plugins import dsn_problem, redact
+    from skiplock.queue_impl.plugins import dsn_problem, redact
 
     if dsn is not None and not dsn.strip():
         raise UsageError("--dsn is empty: give a PostgreSQL URI such as"
@@ -220,8 +220,8 @@ def checked_server(args: argparse.Namespace) -> Iterator[PgServer]:
     Its schema is `--schema` if given; otherwise a fresh name no run uses, since the run
     names its own fresh schema when it starts (a factory opens nothing until `setup()`, as
     `QueueBackend` says, so the name only has to be valid)."""
-    from queue_impl.plugins import check_backend
-    from scenarios.provision import postgres
+    from skiplock.queue_impl.plugins import check_backend
+    from skiplock.scenarios.provision import postgres
 
     options = backend_options(args)
     with postgres(args.dsn, durable=True) as server:
@@ -237,7 +237,7 @@ def checked_server(args: argparse.Namespace) -> Iterator[PgServer]:
 def backend_options(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     """`--backend-opt` as pairs; a malformed one is bad input (exit 2), said before a server
     is provisioned."""
-    from queue_impl.plugins import parse_backend_options
+    from skiplock.queue_impl.plugins import parse_backend_options
 
     try:
         return parse_backend_options(getattr(args, "backend_opts", None))
@@ -246,7 +246,7 @@ def backend_options(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 
 def run_options(args: argparse.Namespace, seed: int, server: PgServer) -> RunOptions:
-    from scenarios.runner import RunOptions
+    from skiplock.scenarios.runner import RunOptions
 
     return RunOptions(backend=args.backend, backend_options=backend_options(args),
                       seed=seed, out=args.out, dsn=args.dsn,
@@ -263,8 +263,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from scenarios.progress import print_line
-    from scenarios.runner import run_scenario
+    from skiplock.scenarios.progress import print_line
+    from skiplock.scenarios.runner import run_scenario
 
     spec, seed = resolve(args, args.scenario)
     console = Console(stderr=True, highlight=False)

@@ -38,16 +38,16 @@ from typing import Any
 import pandas as pd
 import psycopg
 
-from plumbing.errors import UsageError
-from reports.history import (
+from skiplock.plumbing.errors import UsageError
+from skiplock.reports.history import (
     ENQUEUES_FILE,
     RUN_FILE,
     SPEC_FILE,
     read_json,
 )
-from reports.selfdescribe import describe
-from scenarios.cpu import cpu_by_process, machine_cpu
-from scenarios.spec import SpecError
+from skiplock.reports.selfdescribe import describe
+from skiplock.scenarios.cpu import cpu_by_process, machine_cpu
+from skiplock.scenarios.spec import SpecError
 
 DELIVERED_SHARE = 0.9  # of the offered rate, for a step to meet the objective
 BACKLOG_GROWTH_SECONDS = 0.5  # of load: more growth than this is a backlog that grows
@@ -87,9 +87,9 @@ def parse_rates(text: str) -> tuple[float, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from scenarios import spec as spec_mod
-    from scenarios.provision import postgres
-    from scenarios.runner import RunOptions, run_scenario
+    from skiplock.scenarios import spec as spec_mod
+    from skiplock.scenarios.provision import postgres
+    from skiplock.scenarios.runner import RunOptions, run_scenario
 
     rates = parse_rates(args.rates)
     for name in ("step", "p99"):
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure_step(run_dir: Path, *, objective: float) -> dict[str, Any]:
-    from scenarios.bench_recovery import load_window, read_deliveries
+    from skiplock.scenarios.bench_recovery import load_window, read_deliveries
 
     spec_json = read_json(run_dir / SPEC_FILE)
     run_json = read_json(run_dir / RUN_FILE)

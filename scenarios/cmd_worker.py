@@ -21,8 +21,8 @@ from pathlib import Path
 
 import psycopg
 
-from plumbing.errors import HarnessError, UsageError, sigterm_as_interrupt
-from queue_impl.dispatcher import (
+from skiplock.plumbing.errors import HarnessError, UsageError, sigterm_as_interrupt
+from skiplock.queue_impl.dispatcher import (
     FAILPOINT_EXIT_CODE,
     FAILPOINT_NAMES,
     BackendFactory,
@@ -30,16 +30,16 @@ from queue_impl.dispatcher import (
     DispatcherConfig,
     validate_worker_count,
 )
-from queue_impl.plugins import (
+from skiplock.queue_impl.plugins import (
     BACKEND_NAMES,
     REDIS_BACKENDS,
     BackendSpec,
     validate_backend_name,
 )
-from reports.history import LOG_SUFFIX
-from scenarios.cmd_run import backend_options
-from scenarios.provision import DSN_ENV, postgres
-from scenarios.workers import WorkerPool
+from skiplock.reports.history import LOG_SUFFIX
+from skiplock.scenarios.cmd_run import backend_options
+from skiplock.scenarios.provision import DSN_ENV, postgres
+from skiplock.scenarios.workers import WorkerPool
 
 
 def _failpoint(text: str) -> tuple[str, float]:

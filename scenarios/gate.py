@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plumbing.errors import HarnessError, Unhonoured, UsageError
+from skiplock import __version__
+from skiplock.plumbing.errors import HarnessError, Unhonoured, UsageError
 
 # The suite, in the order it runs. Each entry is a scenario of scenarios/specs/.
 SUITE: tuple[str, ...] = (
@@ -71,7 +72,7 @@ class CaseResult:
         return {0: "pass", 1: "FAIL", 3: "unknown"}.get(self.exit_code, "ERROR")
 
     def violations(self) -> dict[str, int]:
-        from reports.checker import VIOLATION_KEYS
+        from skiplock.reports.checker import VIOLATION_KEYS
 
         return {k: v for k, v in self.counts.items() if k in VIOLATION_KEYS and v}
 
@@ -139,6 +140,7 @@ class GateSummary:
     def to_json(self) -> dict[str, Any]:
         return {
             "exit_code": self.exit_code,
+            "skiplock_version": __version__,
             "backend": self.backend,
             "sql_path": self.sql_path,
             "seeds": self.seeds,
@@ -159,7 +161,7 @@ class GateSummary:
 
 def resolve_scenarios(only: Sequence[str] | None) -> list[str]:
     """The suite, or the named part of it; any scenario name or .toml path is accepted."""
-    from scenarios.spec import SpecError, resolve_path
+    from skiplock.scenarios.spec import SpecError, resolve_path
 
     if not only:
         return list(SUITE)
@@ -180,7 +182,7 @@ def cases(scenarios: Sequence[str], seeds: Sequence[int]) -> list[tuple[str, int
 @contextlib.contextmanager
 def gate_server(dsn: str | None) -> Iterator[Any]:
     """One durable server for the whole gate (each run still gets its own schema)."""
-    from scenarios.provision import postgres
+    from skiplock.scenarios.provision import postgres
 
     with postgres(dsn, durable=True) as server:
         yield server
@@ -192,7 +194,7 @@ def check_backend_on(server: Any, backend: str, sql_path: str | None,
     builds a one-process queue) before any case runs: bad input, exit 2."""
     import secrets
 
-    from queue_impl.plugins import check_backend
+    from skiplock.queue_impl.plugins import check_backend
 
     try:
         check_backend(backend, dsn=server.dsn, schema=f"skiplock_{secrets.token_hex(4)}",
@@ -207,8 +209,8 @@ def run_case(scenario: str, seed: int, *, server: Any, backend: str, sql_path: s
     """One scenario x seed, judged (and its report.html written, unless `report` is off).
     Bad input raises UsageError (it would fail every case alike); a harness failure is this
     case's result (exit 4)."""
-    from scenarios.runner import RunOptions, run_scenario
-    from scenarios.spec import SpecError, load
+    from skiplock.scenarios.runner import RunOptions, run_scenario
+    from skiplock.scenarios.spec import SpecError, load
 
     try:
         spec = load(scenario, list(overrides))
@@ -274,7 +276,7 @@ def run_gate(*, backend: str = "pg", sql_path: str | None = None, dsn: str | Non
 
 def write_results(out: Path, summary: GateSummary) -> None:
     """summary.json, junit.xml and report.html (each case linked to its run's report)."""
-    from reports.report import REPORT_FILE, write_index
+    from skiplock.reports.report import REPORT_FILE, write_index
 
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "summary.json.partial"

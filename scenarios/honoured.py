@@ -1,6 +1,6 @@
 """Settings a queue cannot honour, refused before a run starts anything.
 
-A backend declares what it promises (`queue_impl.interface.Guarantees`). A scenario setting
+A backend declares what it promises (`skiplock.queue_impl.interface.Guarantees`). A scenario setting
 that needs a promise the queue does not make is refused (exit 2, one line saying what to
 change) rather than run and judged against a promise nobody made. Settings whose checks only
 become not applicable (per-account limits on a queue without them) are run: the verdict lists
@@ -9,9 +9,9 @@ those checks as not applicable, and why.
 
 from __future__ import annotations
 
-from queue_impl.interface import Guarantees
-from queue_impl.plugins import REDIS_BACKENDS
-from scenarios.spec import ScenarioSpec
+from skiplock.queue_impl.interface import Guarantees
+from skiplock.queue_impl.plugins import REDIS_BACKENDS
+from skiplock.scenarios.spec import ScenarioSpec
 
 # Faults that act on PostgreSQL: a queue kept elsewhere never feels them.
 POSTGRES_FAULTS = frozenset({"terminate_backends", "restart_postgres", "pin_xmin",

@@ -40,10 +40,10 @@ from typing import Any, Literal
 import psycopg
 from psycopg import IsolationLevel, sql
 
-from plumbing.errors import HarnessError
-from queue_impl.pg import apply_plan_settings
-from queue_impl.plugins import scrub
-from scenarios.bench_claim import (
+from skiplock.plumbing.errors import HarnessError
+from skiplock.queue_impl.pg import apply_plan_settings
+from skiplock.queue_impl.plugins import scrub
+from skiplock.scenarios.bench_claim import (
     claim,
     claim_params,
     create_schema,
@@ -51,8 +51,8 @@ from scenarios.bench_claim import (
     lock_accounts,
     plan_work,
 )
-from scenarios.bench_queue import drop_schemas
-from scenarios.provision import fresh_database
+from skiplock.scenarios.bench_queue import drop_schemas
+from skiplock.scenarios.provision import fresh_database
 
 SCHEMA_PREFIX = "skiplock_plans"
 # Every session this command opens says so in pg_stat_activity.

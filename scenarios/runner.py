@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import psycopg
 from psycopg import sql
 
-from plumbing.errors import HarnessError, Unhonoured, UsageError
-from plumbing.orphans import children_deaf_to_ctrl_c
-from queue_impl.dispatcher import DispatcherConfig
-from queue_impl.interface import (
+from skiplock.plumbing.errors import HarnessError, Unhonoured, UsageError
+from skiplock.plumbing.orphans import children_deaf_to_ctrl_c
+from skiplock.queue_impl.dispatcher import DispatcherConfig
+from skiplock.queue_impl.interface import (
     Account,
     ChecksStatements,
     JobState,
@@ -41,9 +41,9 @@ from queue_impl.interface import (
     TearsDown,
     guarantees_of,
 )
-from queue_impl.plugins import BACKEND_NAMES, REDIS_BACKENDS, BackendSpec, shown_options
-from reports import columnar
-from reports.history import (
+from skiplock.queue_impl.plugins import BACKEND_NAMES, REDIS_BACKENDS, BackendSpec, shown_options
+from skiplock.reports import columnar
+from skiplock.reports.history import (
     ENQUEUE_LOG,
     ENQUEUES_FILE,
     FINAL_JOBS_FILE,
@@ -61,15 +61,15 @@ from reports.history import (
     to_record,
     write_json,
 )
-from reports.selfdescribe import describe
-from scenarios.honoured import unhonoured
-from scenarios.progress import Observer, Sample, Sampler, SampleWriter
-from scenarios.provision import DSN_ENV, PgServer, postgres, redact_dsn
-from scenarios.spec import FAILPOINT_NAMES, ScenarioSpec, replay_command
+from skiplock.reports.selfdescribe import describe
+from skiplock.scenarios.honoured import unhonoured
+from skiplock.scenarios.progress import Observer, Sample, Sampler, SampleWriter
+from skiplock.scenarios.provision import DSN_ENV, PgServer, postgres, redact_dsn
+from skiplock.scenarios.spec import FAILPOINT_NAMES, ScenarioSpec, replay_command
 
 if TYPE_CHECKING:
-    from scenarios.provision_redis import RedisServer
-    from scenarios.workers import WorkerPool
+    from skiplock.scenarios.provision_redis import RedisServer
+    from skiplock.scenarios.workers import WorkerPool
 
 DEFAULT_OUT = Path("runs")
 
@@ -95,7 +95,7 @@ class RunOptions:
     # Workers' stderr (reconnects, failed claims under faults) to RUN_DIR/logs/ instead of
     # the terminal.
     worker_logs_to_files: bool = False
-    # Write RUN_DIR/report.html once the run is judged (reports.report).
+    # Write RUN_DIR/report.html once the run is judged (skiplock.reports.report).
     report: bool = True
     # The command that replays this run (spec.json and the report show it); None: `skiplock
     # run` of the shipped scenario, with --set for what differs.
@@ -105,7 +105,7 @@ class RunOptions:
 @dataclass(kw_only=True)
 class RunResult:
     run_dir: Path
-    verdict: Any  # reports.checker.Verdict
+    verdict: Any  # skiplock.reports.checker.Verdict
     info: RunInfo
     samples: list[Sample] = field(default_factory=list)
     description: dict[str, Any] = field(default_factory=dict)
@@ -123,13 +123,13 @@ class RunContext(Protocol):
 
     run_dir: Path
     server: PgServer
-    pool: Any  # scenarios.workers.WorkerPool
+    pool: Any  # skiplock.scenarios.workers.WorkerPool
     nemesis_log: JsonlWriter
 
 
 class Nemesis(Protocol):
     """A fault schedule: started when the load starts, stopped (healed) before the drain.
-    Each fault it applies is a reports.history.FaultEvent in nemesis.jsonl."""
+    Each fault it applies is a skiplock.reports.history.FaultEvent in nemesis.jsonl."""
 
     def start(self, ctx: RunContext, seed: int) -> None: ...
 
@@ -150,7 +150,7 @@ class _Ctx:
     server: PgServer
     pool: Any
     nemesis_log: JsonlWriter
-    # What a scheduled nemesis needs besides (chaos.nemesis.NemesisContext).
+    # What a scheduled nemesis needs besides (skiplock.chaos.nemesis.NemesisContext).
     schema: str = ""
     target: Any = None
     spec: ScenarioSpec | None = None
@@ -161,7 +161,7 @@ FAILPOINTS_FILE = "failpoints.json"
 
 
 class _TargetHandle:
-    """The run's echo target as a fault sees it (chaos.nemesis.TargetHandle)."""
+    """The run's echo target as a fault sees it (skiplock.chaos.nemesis.TargetHandle)."""
 
     def __init__(self, target: Any) -> None:
         self._target = target
@@ -178,7 +178,7 @@ class _TargetHandle:
 
 
 class _FaultContext:
-    """chaos.nemesis.NemesisContext over a running run."""
+    """skiplock.chaos.nemesis.NemesisContext over a running run."""
 
     def __init__(self, ctx: _Ctx) -> None:
         assert ctx.spec is not None
@@ -232,7 +232,7 @@ class _ScheduleNemesis:
         self._running: Any = None
 
     def start(self, ctx: RunContext, seed: int) -> None:
-        from chaos.nemesis import ScheduledNemesis
+        from skiplock.chaos.nemesis import ScheduledNemesis
 
         assert isinstance(ctx, _Ctx)
         lock = threading.Lock()
@@ -350,13 +350,13 @@ def producer_processes(configs: list[dict[str, Any]]) -> Iterator[list[Any]]:
     processes: list[Any] = []
     try:
         for config in configs:
-            # runpy, not a function of scenarios.producers: that module imports locust (and
+            # runpy, not a function of skiplock.scenarios.producers: that module imports locust (and
             # so gevent's patches) first, which must not happen in this process, and its
             # configuration is plain data so that unpickling it imports nothing (psycopg
             # must be imported after the patches in the child).
             process = ctx.Process(
                 target=__import__("runpy").run_module,
-                args=("scenarios.producers",),
+                args=("skiplock.scenarios.producers",),
                 kwargs={"init_globals": {"PRODUCER_CONFIG": config}, "run_name": "__main__"},
                 name=f"skiplock-producer-{config['role']}-{config['index']}",
                 daemon=True,
@@ -635,8 +635,8 @@ def run_scenario(
     """Run `spec` and judge it. Raises HarnessError when the harness itself fails."""
     # Imported when a run starts, not with this module, but before anything is started: a
     # checker or worker module that fails to import leaves no server and no run directory.
-    from reports.checker import check_run, write_verdict
-    from scenarios.workers import WorkerPool
+    from skiplock.reports.checker import check_run, write_verdict
+    from skiplock.scenarios.workers import WorkerPool
 
     say = announce or (lambda _message: None)
     planned, nemesis = _choose_nemesis(spec, options, nemesis, say)
@@ -705,7 +705,7 @@ def _choose_nemesis(
     """The run's nemesis and the faults it plans: the caller's nemesis (nothing planned), else
     the spec's `[[nemesis]]` schedule, else none. Raises UsageError for a schedule that
     cannot run against this server, before anything starts."""
-    from chaos.nemesis import NemesisError, check_schedule, plan
+    from skiplock.chaos.nemesis import NemesisError, check_schedule, plan
 
     if nemesis is not None or not spec.nemesis:
         return [], nemesis or NoNemesis()
@@ -745,7 +745,7 @@ def _run_to_final_snapshot(
     cleanups in turn; the order of the steps is the order of those registrations, which
     is why the schema's drop runs after the interrupted snapshot (LIFO).
 
-    `worker_pool` is scenarios.workers.WorkerPool, imported by `run_scenario` before the
+    `worker_pool` is skiplock.scenarios.workers.WorkerPool, imported by `run_scenario` before the
     run started."""
     spec, options = run.spec, run.options
     with contextlib.ExitStack() as stack:
@@ -819,7 +819,7 @@ def _start_server(run: _RunState, stack: contextlib.ExitStack) -> PgServer:
 def _start_redis(run: _RunState, stack: contextlib.ExitStack) -> RedisServer:
     """A Redis backend's server (the URL given, Docker, or the embedded one), durable: an
     AOF fsynced before each reply, as PostgreSQL commits are."""
-    from scenarios.provision_redis import redis_server
+    from skiplock.scenarios.provision_redis import redis_server
 
     return stack.enter_context(redis_server(run.options.redis_url, durability="always"))
 
@@ -952,7 +952,7 @@ def _drain(run: _RunState, loop: _SampleLoop, pool: Any) -> None:
 def _write_report(run_dir: Path) -> tuple[Path | None, str | None]:
     """report.html next to the verdict. The report is derived from the history, so failing
     to draw it costs the run nothing: the verdict stands and `skiplock report` can retry."""
-    from reports.report import write_report
+    from skiplock.reports.report import write_report
 
     try:
         return write_report([run_dir]), None
@@ -962,7 +962,7 @@ def _write_report(run_dir: Path) -> tuple[Path | None, str | None]:
 
 @contextlib.contextmanager
 def _target(run_dir: Path) -> Iterator[Any]:
-    from chaos.target import TargetProcess
+    from skiplock.chaos.target import TargetProcess
 
     target = TargetProcess(run_dir, name="target-0")
     target.start()
@@ -1031,7 +1031,7 @@ def _check_producers(producers: list[Any], stopped: Collection[str] = ()) -> Non
 
 
 def _read_faults(run_dir: Path) -> Iterator[dict[str, Any]]:
-    from reports.history import read_jsonl
+    from skiplock.reports.history import read_jsonl
 
     with contextlib.suppress(HistoryError, OSError):
         yield from read_jsonl(run_dir / NEMESIS_FILE)

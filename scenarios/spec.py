@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.nemesis import NemesisError, NemesisSpec, check_schedule, spec_from_mapping
-from reports.history import Behaviour, JobScript, Step
+from skiplock.chaos.nemesis import NemesisError, NemesisSpec, check_schedule, spec_from_mapping
+from skiplock.reports.history import Behaviour, JobScript, Step
 
 SPECS_DIR = Path(__file__).parent / "specs"
 
@@ -107,7 +107,7 @@ class ScenarioSpec:
     account_mix: Mapping[str, float] = field(default_factory=dict)
     # dispatcher failpoint name -> probability per attempt (the worker dies when one fires)
     failpoints: Mapping[str, float] = field(default_factory=dict)
-    # The fault schedule: `[[nemesis]]` entries (chaos.nemesis.NemesisSpec), seeded by the
+    # The fault schedule: `[[nemesis]]` entries (skiplock.chaos.nemesis.NemesisSpec), seeded by the
     # run's seed, applied during the load phase and healed before the drain.
     nemesis: tuple[NemesisSpec, ...] = ()
     # Seconds between healing the last fault and the drain, with the load stopped, so that
@@ -587,7 +587,7 @@ def replay_command(spec: ScenarioSpec, *, seed: int, backend: str, sql_path: str
         words += ["--backend", backend]
     if sql_path:
         words += ["--sql", sql_path]
-    from queue_impl.plugins import shown_options
+    from skiplock.queue_impl.plugins import shown_options
 
     for key, value in shown_options(tuple(backend_options)).items():
         words += ["--backend-opt", f"{key}={value}"]

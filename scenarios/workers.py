@@ -2,7 +2,7 @@
 
 Children are started with the `spawn` context, so none inherits a socket, a lock or an event
 loop from the parent; each opens its backend (`spec.create()`) after it starts. They report
-only through their event files (`events_dir/<worker_id>.csv`, `reports.history.WorkerEvent`
+only through their event files (`events_dir/<worker_id>.csv`, `skiplock.reports.history.WorkerEvent`
 records), never through a pipe or a shared lock, so a worker killed at any moment leaves the
 others and the history intact. Leaving the context stops them: SIGTERM, a grace period to
 drain, then SIGKILL for any that remain, so no process is left behind.
@@ -23,17 +23,17 @@ from typing import Any
 
 import multiprocess
 
-from plumbing.errors import HarnessError, UsageError
-from plumbing.orphans import die_with_parent, name_this_process
-from queue_impl.dispatcher import (
+from skiplock.plumbing.errors import HarnessError, UsageError
+from skiplock.plumbing.orphans import die_with_parent, name_this_process
+from skiplock.queue_impl.dispatcher import (
     BackendFactory,
     DispatcherConfig,
     EventSink,
     run_worker,
     validate_worker_count,
 )
-from queue_impl.pg import APPLICATION_NAME_ENV
-from reports.history import (
+from skiplock.queue_impl.pg import APPLICATION_NAME_ENV
+from skiplock.reports.history import (
     LOG_SUFFIX,
     WORKER_LOG,
     HistoryError,

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from scenarios.provision import DSN_ENV, PgServer, postgres
+from skiplock.scenarios.provision import DSN_ENV, PgServer, postgres
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +52,7 @@ def embedded_redis_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     import tempfile
     from pathlib import Path
 
-    from scenarios import provision_redis
+    from skiplock.scenarios import provision_redis
 
     monkeypatch.delenv(provision_redis.REDIS_URL_ENV, raising=False)
     monkeypatch.setattr(provision_redis, "docker_answers", lambda: False)

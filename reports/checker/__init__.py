@@ -5,7 +5,7 @@ Reading. The first run directory must hold `spec.json`, `run.json`, `enqueues.cs
 optional (absent or empty: no fault ran). Further directories add their `deliveries/*.csv`,
 `workers/*.csv` and `nemesis.jsonl` (targets and workers on other machines), and may hold an
 `enqueues.csv` (producers on other machines). The CSV logs are read by their header's column
-names (`reports.history`): columns the checker does not read are ignored. A history that
+names (`skiplock.reports.history`): columns the checker does not read are ignored. A history that
 cannot be trusted is never judged: it is bad input (`HistoryError`, one line naming the file,
 and the line where there is one) when a directory is given twice (or one log through two
 paths), a file is missing, unreadable or not a regular file, no directory holds a delivery
@@ -20,7 +20,7 @@ may have caused are counted but not reported (`_CUT_MAY_CAUSE`). When run.json r
 number, the answer is "unknown"; an acknowledged job with no final row is a state mismatch
 when the snapshot is known to be whole, else it makes the answer "unknown".
 
-Judging. Each job's oracle (`reports.oracle`) comes from its enqueue (script, max_attempts,
+Judging. Each job's oracle (`skiplock.reports.oracle`) comes from its enqueue (script, max_attempts,
 account) and the run's configuration; the target's log says what was really delivered. The
 whole-run checks are vectorised with pandas; the few suspicious rows they find are then
 explained or not, one by one, against the recorded events (worker events and faults). A
@@ -44,11 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from reports.checker.anomalies import ANOMALIES, BY_KIND
-from reports.checker.common import DEFAULT_TOLERANCE_SECONDS, MAX_EXAMPLES
-from reports.checker.judge import DESCRIPTIVE_COUNTS, judge
-from reports.checker.load import History, RunConfig, read_history
-from reports.history import (
+from skiplock.reports.checker.anomalies import ANOMALIES, BY_KIND
+from skiplock.reports.checker.common import DEFAULT_TOLERANCE_SECONDS, MAX_EXAMPLES
+from skiplock.reports.checker.judge import DESCRIPTIVE_COUNTS, judge
+from skiplock.reports.checker.load import History, RunConfig, read_history
+from skiplock.reports.history import (
     DELIVERIES_DIR,
     ENQUEUES_FILE,
     FINAL_JOBS_FILE,

@@ -15,15 +15,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from reports.checker.common import attempt_label, floats, fmt, records
-from reports.checker.faults import (
+from skiplock.reports.checker.common import attempt_label, floats, fmt, records
+from skiplock.reports.checker.faults import (
     DATABASE_FAULTS,
     TARGET_FAULTS,
     WORKER_FAULTS,
     fault_end,
     fault_span,
 )
-from reports.checker.load import History, data_dict
+from skiplock.reports.checker.load import History, data_dict
 
 # How long after it was due a retry's claim may come (a poll, a busy worker), for the window
 # in which a kill may have hidden it (Explainer._unlogged_claim).

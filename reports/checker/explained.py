@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reports.checker.explain import Explainer, Why
-from reports.checker.frame import Frame
+from skiplock.reports.checker.explain import Explainer, Why
+from skiplock.reports.checker.frame import Frame
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from reports.checker.common import fmt
+from skiplock.reports.checker.common import fmt
 
 # Faults that hit one worker process: they explain what that worker held at the time.
 WORKER_FAULTS = frozenset({"kill_worker", "pause_worker", "crash_after_claim", "crash_after_http"})

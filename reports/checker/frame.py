@@ -7,7 +7,7 @@ transient, permanent; late answers and hangs are transient), when it ended at th
 its position among the job's deliveries, the next delivery of the job, and the backoff
 its failure asks for. Per job: its oracle's expectations, what the target saw, and its
 final state. The few rows and jobs that need a closer look (`candidates`) are then
-explained or not, one by one, against the recorded events (`reports.checker.explained`)."""
+explained or not, one by one, against the recorded events (`skiplock.reports.checker.explained`)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from typing import Any, cast
 import numpy as np
 import pandas as pd
 
-from queue_impl.interface import JobStatus
-from reports.checker.common import floats, records
-from reports.checker.explain import http_ends
-from reports.checker.load import History, RunConfig
-from reports.checker.slots import Slots, account_slots
-from reports.history import HistoryError
-from reports.oracle import Expected, OracleCache, script_from_payload
+from skiplock.queue_impl.interface import JobStatus
+from skiplock.reports.checker.common import floats, records
+from skiplock.reports.checker.explain import http_ends
+from skiplock.reports.checker.load import History, RunConfig
+from skiplock.reports.checker.slots import Slots, account_slots
+from skiplock.reports.history import HistoryError
+from skiplock.reports.oracle import Expected, OracleCache, script_from_payload
 
 # How the worker saw a delivery.
 SUCCESS = 0

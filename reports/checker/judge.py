@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from reports.checker.anomalies import ANOMALIES, Anomaly
-from reports.checker.common import MAX_EXAMPLES, Example, attempt_label, fmt, records
-from reports.checker.explained import Explained
-from reports.checker.frame import Frame, build
-from reports.checker.load import History
-from reports.history import FINAL_JOBS_FILE
+from skiplock.reports.checker.anomalies import ANOMALIES, Anomaly
+from skiplock.reports.checker.common import MAX_EXAMPLES, Example, attempt_label, fmt, records
+from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.frame import Frame, build
+from skiplock.reports.checker.load import History
+from skiplock.reports.history import FINAL_JOBS_FILE
 
 DESCRIPTIVE_COUNTS: tuple[str, ...] = ("enqueued", "delivered", "completed", "failed")
 

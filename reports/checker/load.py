@@ -4,7 +4,7 @@ inputs, the deliveries, the worker events, the faults and the final states: `rea
 returns them as a `History`.
 
 A history that cannot be trusted is never judged: it is bad input (`HistoryError`, one line
-naming the file, and the line where there is one). See `reports.checker` for the rules."""
+naming the file, and the line where there is one). See `skiplock.reports.checker` for the rules."""
 
 from __future__ import annotations
 
@@ -27,12 +27,12 @@ import pyarrow.compute as pc  # type: ignore[import-untyped]
 import pyarrow.csv as pacsv  # type: ignore[import-untyped]
 import pyarrow.json as pajson  # type: ignore[import-untyped]
 
-from queue_impl.interface import REFERENCE_GUARANTEES, Guarantees, JobStatus
-from queue_impl.retry import RetryPolicy
-from reports import columnar
-from reports.checker.common import floats
-from reports.checker.faults import KNOWN_FAULTS
-from reports.history import (
+from skiplock.queue_impl.interface import REFERENCE_GUARANTEES, Guarantees, JobStatus
+from skiplock.queue_impl.retry import RetryPolicy
+from skiplock.reports import columnar
+from skiplock.reports.checker.common import floats
+from skiplock.reports.checker.faults import KNOWN_FAULTS
+from skiplock.reports.history import (
     DELIVERIES_DIR,
     DELIVERY_LOG,
     ENQUEUE_LOG,
@@ -112,7 +112,7 @@ _ENQUEUE_BASE = ("type", "job_id", "account", "max_attempts")
 
 def _nest_script(batch: pa.RecordBatch) -> pa.RecordBatch:
     """The script columns of enqueues as one struct column: null without a first step, a
-    step null without its behaviour, as `reports.history.read_log` reads them back."""
+    step null without its behaviour, as `skiplock.reports.history.read_log` reads them back."""
 
     def step(part: str) -> pa.StructArray:
         behaviour = batch.column(f"{part}_behaviour")

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from reports.checker.explain import http_ends, lease_last
+from skiplock.reports.checker.explain import http_ends, lease_last
 
 if TYPE_CHECKING:
-    from reports.checker.frame import Frame
+    from skiplock.reports.checker.frame import Frame
 
 _NONE = np.zeros(0, dtype=np.int64)
 

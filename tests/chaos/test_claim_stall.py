@@ -28,13 +28,13 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from chaos.target import TargetProcess
-from queue_impl.dispatcher import LEASE_TOO_SHORT, DispatcherConfig
-from queue_impl.interface import Account, JobStatus, NewJob
-from queue_impl.pg import PgQueue
-from queue_impl.plugins import BackendSpec
-from reports.checker import check_run
-from reports.history import (
+from skiplock.chaos.target import TargetProcess
+from skiplock.queue_impl.dispatcher import LEASE_TOO_SHORT, DispatcherConfig
+from skiplock.queue_impl.interface import Account, JobStatus, NewJob
+from skiplock.queue_impl.pg import PgQueue
+from skiplock.queue_impl.plugins import BackendSpec
+from skiplock.reports.checker import check_run
+from skiplock.reports.history import (
     DELIVERY_LOG,
     WORKER_LOG,
     WORKERS_DIR,
@@ -43,8 +43,8 @@ from reports.history import (
     Step,
     read_log,
 )
-from reports.synthetic import RunBuilder
-from scenarios.workers import WorkerPool
+from skiplock.reports.synthetic import RunBuilder
+from skiplock.scenarios.workers import WorkerPool
 
 pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from reports.checker import COUNT_KEYS
-from scenarios.gate import gate_server, line, run_case
+from skiplock.reports.checker import COUNT_KEYS
+from skiplock.scenarios.gate import gate_server, line, run_case
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(180)]
 

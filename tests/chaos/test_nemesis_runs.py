@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from reports.history import NEMESIS_FILE, WORKERS_DIR, read_jsonl
-from scenarios import spec as spec_mod
-from scenarios.runner import RunOptions, RunResult, run_scenario
+from skiplock.reports.history import NEMESIS_FILE, WORKERS_DIR, read_jsonl
+from skiplock.scenarios import spec as spec_mod
+from skiplock.scenarios.runner import RunOptions, RunResult, run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(150)]
 

@@ -21,12 +21,12 @@ from typing import Any, TypeVar
 
 import pytest
 
-from chaos.target import TargetProcess
-from queue_impl.dispatcher import FAILPOINT_EXIT_CODE, DispatcherConfig
-from queue_impl.interface import Account, JobStatus, NewJob
-from queue_impl.pg import PgQueue
-from queue_impl.plugins import BackendSpec
-from reports.history import (
+from skiplock.chaos.target import TargetProcess
+from skiplock.queue_impl.dispatcher import FAILPOINT_EXIT_CODE, DispatcherConfig
+from skiplock.queue_impl.interface import Account, JobStatus, NewJob
+from skiplock.queue_impl.pg import PgQueue
+from skiplock.queue_impl.plugins import BackendSpec
+from skiplock.reports.history import (
     DELIVERY_LOG,
     LOG_SUFFIX,
     WORKER_LOG,
@@ -36,7 +36,7 @@ from reports.history import (
     Step,
     read_log,
 )
-from scenarios.workers import WorkerPool
+from skiplock.scenarios.workers import WorkerPool
 
 pytestmark = pytest.mark.chaos
 
@@ -256,7 +256,7 @@ def test_worker_command_drains_and_leaves_no_child(
     job_ids = enqueue(spec, target.deliver_url, SLOW, count=6)
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "scenarios.cli", "worker",
+            sys.executable, "-m", "skiplock.scenarios.cli", "worker",
             "--workers", "2", "--batch", "2", "--lease", "2", "--http-timeout", "0.5",
             "--write-margin", "0.5", "--poll", "0.1",
             "--schema", spec.schema,
@@ -334,7 +334,7 @@ def test_a_pool_started_again_on_its_old_logs_waits_for_its_own_start(
 _HARNESS_THAT_STARTS_A_TARGET = """
 import sys, time
 from pathlib import Path
-from chaos.target import TargetProcess
+from skiplock.chaos.target import TargetProcess
 target = TargetProcess(Path(sys.argv[1]))
 target.start()
 print(target.pid, flush=True)

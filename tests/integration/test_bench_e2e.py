@@ -10,7 +10,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from scenarios import bench_e2e
+from skiplock.scenarios import bench_e2e
 
 pytestmark = pytest.mark.integration
 

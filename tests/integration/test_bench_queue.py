@@ -12,8 +12,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from plumbing.errors import UsageError
-from scenarios import bench_claim, bench_queue
+from skiplock.plumbing.errors import UsageError
+from skiplock.scenarios import bench_claim, bench_queue
 
 pytestmark = pytest.mark.integration
 
@@ -109,7 +109,7 @@ def test_bench_queue_against_bullmq_on_the_embedded_redis_leaves_nothing(
 
 
 def _bench_cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "scenarios.cli", "bench", "queue", *argv],
+    return subprocess.run([sys.executable, "-m", "skiplock.scenarios.cli", "bench", "queue", *argv],
                           capture_output=True, text=True, timeout=120, check=False,
                           cwd=Path(__file__).resolve().parents[2])
 

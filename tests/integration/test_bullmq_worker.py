@@ -13,11 +13,11 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from chaos.target import TargetProcess
-from queue_impl.bullmq_worker import job_fields, run_bullmq_worker, run_in_own_loop
-from queue_impl.dispatcher import DispatcherConfig
-from reports.history import Behaviour, JobScript, Step
-from scenarios.provision_redis import REDIS_URL_ENV, RedisServer, redis_server
+from skiplock.chaos.target import TargetProcess
+from skiplock.queue_impl.bullmq_worker import job_fields, run_bullmq_worker, run_in_own_loop
+from skiplock.queue_impl.dispatcher import DispatcherConfig
+from skiplock.reports.history import Behaviour, JobScript, Step
+from skiplock.scenarios.provision_redis import REDIS_URL_ENV, RedisServer, redis_server
 
 pytestmark = pytest.mark.integration
 

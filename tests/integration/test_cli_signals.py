@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from reports.history import (
+from skiplock.reports.history import (
     ENQUEUES_FILE,
     FINAL_JOBS_FILE,
     FINAL_JOBS_LOG,
@@ -28,7 +28,7 @@ from reports.history import (
     read_json,
     read_log,
 )
-from scenarios.provision import DATA_PREFIX, DSN_ENV, OWNER_FILE
+from skiplock.scenarios.provision import DATA_PREFIX, DSN_ENV, OWNER_FILE
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str | Path) -> list[str]:
-    return [sys.executable, "-m", "scenarios.cli", *map(str, args)]
+    return [sys.executable, "-m", "skiplock.scenarios.cli", *map(str, args)]
 
 
 def _embedded_env() -> dict[str, str]:

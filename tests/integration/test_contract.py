@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from queue_impl.interface import (
+from skiplock.queue_impl.interface import (
     Account,
     AttemptResult,
     JobState,
@@ -23,8 +23,8 @@ from queue_impl.interface import (
     QueueBackend,
     WriteResult,
 )
-from queue_impl.memory import InMemoryQueue
-from queue_impl.pg import PgQueue
+from skiplock.queue_impl.memory import InMemoryQueue
+from skiplock.queue_impl.pg import PgQueue
 
 pytestmark = pytest.mark.integration
 

@@ -22,9 +22,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from chaos import nemesis_db
-from chaos.nemesis import Fault, FaultSkipped, PlannedFault, TargetHandle
-from chaos.nemesis_db import (
+from skiplock.chaos import nemesis_db
+from skiplock.chaos.nemesis import Fault, FaultSkipped, PlannedFault, TargetHandle
+from skiplock.chaos.nemesis_db import (
     EXHAUST_APPLICATION_NAME,
     PIN_APPLICATION_NAME,
     ExhaustPool,
@@ -33,7 +33,7 @@ from chaos.nemesis_db import (
     TerminateBackends,
     like_prefix,
 )
-from scenarios.provision import PgServer, fresh_database
+from skiplock.scenarios.provision import PgServer, fresh_database
 
 pytestmark = pytest.mark.integration
 

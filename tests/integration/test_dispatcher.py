@@ -26,8 +26,8 @@ import psycopg
 import pytest
 from aiohttp import web
 
-from queue_impl.dispatcher import Dispatcher, DispatcherConfig, EventSink
-from queue_impl.interface import (
+from skiplock.queue_impl.dispatcher import Dispatcher, DispatcherConfig, EventSink
+from skiplock.queue_impl.interface import (
     ACCOUNT_HEADER,
     ATTEMPT_HEADER,
     JOB_ID_HEADER,
@@ -40,10 +40,10 @@ from queue_impl.interface import (
     NewJob,
     WriteResult,
 )
-from queue_impl.pg import PgQueue
-from queue_impl.ssrf import UrlGuard
-from reports.history import LOG_SUFFIX, WORKER_LOG, LogWriter, read_log
-from scenarios.workers import log_sink
+from skiplock.queue_impl.pg import PgQueue
+from skiplock.queue_impl.ssrf import UrlGuard
+from skiplock.reports.history import LOG_SUFFIX, WORKER_LOG, LogWriter, read_log
+from skiplock.scenarios.workers import log_sink
 
 pytestmark = pytest.mark.integration
 
@@ -871,7 +871,7 @@ def test_worker_command_refuses_an_event_log_it_cannot_append_to(
     pg_dsn: str, fresh_schema: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
     make_bad: Callable[[Path], object], message: str,
 ) -> None:
-    from scenarios.cli import main
+    from skiplock.scenarios.cli import main
 
     events_dir = tmp_path / "events"
     events_dir.mkdir()
@@ -891,7 +891,7 @@ def test_worker_command_refuses_an_event_log_it_cannot_append_to(
 def test_worker_command_with_a_bad_events_dir_leaves_the_database_untouched(
     pg_dsn: str, fresh_schema: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from scenarios.cli import main
+    from skiplock.scenarios.cli import main
 
     not_a_dir = tmp_path / "events"
     not_a_dir.write_text("")

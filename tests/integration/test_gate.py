@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from skiplock import __version__
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 def skiplock(*args: str | Path, cwd: Path = REPO,
              timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "scenarios.cli", *map(str, args)],
+        [sys.executable, "-m", "skiplock.scenarios.cli", *map(str, args)],
         cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False,
     )
 
@@ -91,6 +93,7 @@ def test_gate_fails_the_naive_queue_with_junit_naming_the_anomaly(tmp_path: Path
     assert "duplicate_unexplained=" in message or "concurrent_delivery=" in message
     summary = json.loads((out / "summary.json").read_text())
     assert summary["exit_code"] == 1
+    assert summary["skiplock_version"] == __version__
     assert summary["counts"] == {"runs": 1, "pass": 0, "not_applicable": 0, "fail": 1,
                                  "unknown": 0, "error": 0}
     run_dir = Path(summary["results"][0]["run_dir"])

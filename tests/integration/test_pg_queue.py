@@ -18,7 +18,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from queue_impl.interface import (
+from skiplock.queue_impl.interface import (
     Account,
     AttemptResult,
     JobStatus,
@@ -27,10 +27,10 @@ from queue_impl.interface import (
     QueueBackend,
     WriteResult,
 )
-from queue_impl.pg import PgQueue
-from queue_impl.plugins import BackendSpec
-from queue_impl.sqlfile import SqlFileError
-from scenarios.bench_claim import plan_work
+from skiplock.queue_impl.pg import PgQueue
+from skiplock.queue_impl.plugins import BackendSpec
+from skiplock.queue_impl.sqlfile import SqlFileError
+from skiplock.scenarios.bench_claim import plan_work
 
 pytestmark = pytest.mark.integration
 

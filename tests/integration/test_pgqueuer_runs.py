@@ -1,5 +1,5 @@
 """pgqueuer, a third-party PostgreSQL queue, under test as its users deploy it: its own
-QueueManager in every worker process (`queue_impl.pgqueuer_backend`), judged by the same
+QueueManager in every worker process (`skiplock.queue_impl.pgqueuer_backend`), judged by the same
 checker against the promises it declares, with picks told apart by lease token."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from reports.history import LOG_SUFFIX, WORKER_LOG, WORKERS_DIR, read_log
+from skiplock.reports.history import LOG_SUFFIX, WORKER_LOG, WORKERS_DIR, read_log
 
 pytest.importorskip("pgqueuer", reason="pgqueuer is the optional extra skiplock[pgqueuer]")
 pytest.importorskip("asyncpg", reason="pgqueuer's asyncpg driver: skiplock[pgqueuer]")
@@ -20,12 +20,12 @@ pytest.importorskip("asyncpg", reason="pgqueuer's asyncpg driver: skiplock[pgque
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-BACKEND = "queue_impl.pgqueuer_backend:factory"
+BACKEND = "skiplock.queue_impl.pgqueuer_backend:factory"
 
 
 def _run(scenario: str, out: Path, pg_dsn: str, *extra: str) -> tuple[dict, Path]:
     done = subprocess.run(
-        [sys.executable, "-m", "scenarios.cli", "run", scenario, "--backend", BACKEND,
+        [sys.executable, "-m", "skiplock.scenarios.cli", "run", scenario, "--backend", BACKEND,
          "--out", str(out), "--quiet", "--json", "--no-report", "--seed", "5", *extra],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "SKIPLOCK_PG_DSN": pg_dsn})
@@ -75,7 +75,7 @@ def test_long_calls_on_pgqueuer_record_heartbeats_as_renewals(pg_dsn: str,
 
 def test_a_setting_pgqueuer_cannot_honour_is_refused(pg_dsn: str, tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "scenarios.cli", "run", "exhaust-attempts", "--backend",
+        [sys.executable, "-m", "skiplock.scenarios.cli", "run", "exhaust-attempts", "--backend",
          BACKEND, "--out", str(tmp_path / "runs")],
         cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
         env={**os.environ, "SKIPLOCK_PG_DSN": pg_dsn})

@@ -16,8 +16,8 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from queue_impl.sqlfile import reference_statements
-from scenarios import cli, plans
+from skiplock.queue_impl.sqlfile import reference_statements
+from skiplock.scenarios import cli, plans
 
 pytestmark = pytest.mark.integration
 

@@ -12,11 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from chaos.nemesis import shortcut
-from reports.history import FINAL_JOBS_FILE, VERDICT_FILE, WAITS_FILE, WORKERS_DIR, read_json
-from reports.report import REPORT_FILE
-from scenarios import spec as spec_mod
-from scenarios.runner import RunOptions, RunResult, run_scenario
+from skiplock.chaos.nemesis import shortcut
+from skiplock.reports.history import (
+    FINAL_JOBS_FILE,
+    VERDICT_FILE,
+    WAITS_FILE,
+    WORKERS_DIR,
+    read_json,
+)
+from skiplock.reports.report import REPORT_FILE
+from skiplock.scenarios import spec as spec_mod
+from skiplock.scenarios.runner import RunOptions, RunResult, run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -38,8 +44,8 @@ def _plots(page: str) -> int:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "scenarios.cli", *args], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "skiplock.scenarios.cli", *args],
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_a_run_writes_its_report_with_every_plot_and_the_replay_command(

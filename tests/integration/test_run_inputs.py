@@ -32,7 +32,7 @@ def returns_none(**kw):
 def skiplock(*args: str | Path, cwd: Path = REPO, env: dict[str, str] | None = None,
              timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "scenarios.cli", *map(str, args)],
+        [sys.executable, "-m", "skiplock.scenarios.cli", *map(str, args)],
         cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False,
         env={**os.environ, **(env or {})},
     )
@@ -75,9 +75,10 @@ CASES = [
     (["demo", "--dsn", " "], "--dsn is empty"),
     (["run", "steady", "--dsn", "postgresql://bob:Pq7@zZ9@127.0.0.1:1/db"],
      "its password holds a character a URI reserves"),
-    (["run", "steady", "--backend", "queue_impl.memory:factory"],
+    (["run", "steady", "--backend", "skiplock.queue_impl.memory:factory"],
      "its queue lives inside one process"),
-    (["demo", "--backend", "queue_impl.memory:factory"], "its queue lives inside one process"),
+    (["demo", "--backend", "skiplock.queue_impl.memory:factory"],
+     "its queue lives inside one process"),
     (["run", "steady", "--backend", "badplugin:raises"],
      "backend 'badplugin:raises': the factory raised RuntimeError (cannot reach my broker"),
     (["run", "steady", "--backend", "badplugin:returns_none"],
@@ -208,7 +209,7 @@ def test_the_demo_says_what_it_runs_and_its_tables_agree(pg_dsn: str, tmp_path: 
 
 
 OPTIONED_PG = '''
-from queue_impl.pg import PgQueue
+from skiplock.queue_impl.pg import PgQueue
 
 def factory(*, dsn, schema, sql_path=None, note="none"):
     assert note == "kept", note
@@ -251,7 +252,7 @@ def test_a_backend_option_that_cannot_be_honoured_is_one_line(
 DECOY_TABLES = '''
 import psycopg
 from psycopg import sql
-from queue_impl.pg import PgQueue
+from skiplock.queue_impl.pg import PgQueue
 
 class Queue(PgQueue):
     """The reference queue in a schema of its own, beside a `jobs` table in the run's schema

@@ -9,9 +9,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from queue_impl.pg import PgQueue
-from scenarios.bench_claim import plan_work
-from scenarios.progress import Sampler, live_counts_query
+from skiplock.queue_impl.pg import PgQueue
+from skiplock.scenarios.bench_claim import plan_work
+from skiplock.scenarios.progress import Sampler, live_counts_query
 
 pytestmark = pytest.mark.integration
 

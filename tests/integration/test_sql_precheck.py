@@ -23,8 +23,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from plumbing.errors import UsageError
-from queue_impl.interface import (
+from skiplock.plumbing.errors import UsageError
+from skiplock.queue_impl.interface import (
     Account,
     AttemptResult,
     ChecksStatements,
@@ -33,12 +33,12 @@ from queue_impl.interface import (
     Outcome,
     StatementError,
 )
-from queue_impl.memory import InMemoryQueue
-from queue_impl.pg import PgQueue, _sample_params
-from queue_impl.sqlfile import BLOCK_NAMES, REFERENCE_PATH, allowed_placeholders
-from reports.history import VERDICT_FILE, read_json
-from scenarios import spec as spec_mod
-from scenarios.runner import RunOptions, run_scenario
+from skiplock.queue_impl.memory import InMemoryQueue
+from skiplock.queue_impl.pg import PgQueue, _sample_params
+from skiplock.queue_impl.sqlfile import BLOCK_NAMES, REFERENCE_PATH, allowed_placeholders
+from skiplock.reports.history import VERDICT_FILE, read_json
+from skiplock.scenarios import spec as spec_mod
+from skiplock.scenarios.runner import RunOptions, run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -263,7 +263,7 @@ def test_the_runner_refuses_bad_sql_and_leaves_nothing(
 def skiplock(*args: str | Path, env: dict[str, str],
              timeout: float = 200) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "scenarios.cli", *map(str, args)],
+        [sys.executable, "-m", "skiplock.scenarios.cli", *map(str, args)],
         cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
         env={**os.environ, **env},
     )
@@ -295,7 +295,7 @@ def test_each_command_exits_2_with_one_line(pg_dsn: str, tmp_path: Path, sql_fil
 
 def test_a_refused_reference_block_is_exit_4(pg_dsn: str, tmp_path: Path) -> None:
     (tmp_path / "brokenref.py").write_text(
-        "from queue_impl.pg import PgQueue\n\n"
+        "from skiplock.queue_impl.pg import PgQueue\n\n"
         "def factory(*, dsn, schema, sql_path=None):\n"
         "    queue = PgQueue(dsn, schema=schema, sql=sql_path)\n"
         "    queue._statements['recover'] = 'SELECT recover_nothing(%(limit)s)'\n"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scenarios import cli
+from skiplock.scenarios import cli
 
 pytestmark = pytest.mark.integration
 

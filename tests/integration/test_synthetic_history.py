@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from reports.history import (
+from skiplock.reports.history import (
     DELIVERIES_DIR,
     DELIVERY_LOG,
     ENQUEUE_LOG,
@@ -22,9 +22,9 @@ from reports.history import (
     LogFormat,
     read_log,
 )
-from reports.synthetic import RunBuilder
-from scenarios import spec as spec_mod
-from scenarios.runner import RunOptions, run_scenario
+from skiplock.reports.synthetic import RunBuilder
+from skiplock.scenarios import spec as spec_mod
+from skiplock.scenarios.runner import RunOptions, run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 

@@ -13,10 +13,15 @@ from typing import Any
 import aiohttp
 import pytest
 
-from chaos.target import TargetProcess
-from queue_impl.interface import ACCOUNT_HEADER, ATTEMPT_HEADER, JOB_ID_HEADER, WORKER_HEADER
-from reports.history import DELIVERY_LOG, Behaviour, JobScript, LogWriter, Step, read_log
-from scenarios.cli import main as cli_main
+from skiplock.chaos.target import TargetProcess
+from skiplock.queue_impl.interface import (
+    ACCOUNT_HEADER,
+    ATTEMPT_HEADER,
+    JOB_ID_HEADER,
+    WORKER_HEADER,
+)
+from skiplock.reports.history import DELIVERY_LOG, Behaviour, JobScript, LogWriter, Step, read_log
+from skiplock.scenarios.cli import main as cli_main
 
 pytestmark = pytest.mark.integration
 
@@ -384,7 +389,7 @@ def test_cli_refuses_a_log_with_other_columns_with_exit_2(
 
 def test_capacity_benchmark_runs_and_describes_itself() -> None:
     # Speed is measured by `skiplock bench target`, never asserted; this checks it works.
-    from chaos.bench_target import bench
+    from skiplock.chaos.bench_target import bench
 
     result = bench(duration=0.5, concurrency=4, load_processes=2, warmup=0.0)
     figures = result["results"]

@@ -18,17 +18,17 @@ from typing import Any
 import aiohttp
 import pytest
 
-from chaos.nemesis import (
+from skiplock.chaos.nemesis import (
     FaultSkipped,
     PlannedFault,
     ScheduledNemesis,
     TargetHandle,
     registry,
 )
-from chaos.nemesis_target import HangTarget, KillTarget
-from chaos.target import TargetProcess
-from queue_impl.interface import ATTEMPT_HEADER, JOB_ID_HEADER, WORKER_HEADER
-from reports.history import DELIVERY_LOG, Behaviour, FaultEvent, JobScript, Step, read_log
+from skiplock.chaos.nemesis_target import HangTarget, KillTarget
+from skiplock.chaos.target import TargetProcess
+from skiplock.queue_impl.interface import ATTEMPT_HEADER, JOB_ID_HEADER, WORKER_HEADER
+from skiplock.reports.history import DELIVERY_LOG, Behaviour, FaultEvent, JobScript, Step, read_log
 
 pytestmark = pytest.mark.integration
 

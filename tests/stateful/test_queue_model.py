@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 )
 from psycopg import sql
 
-from queue_impl.interface import (
+from skiplock.queue_impl.interface import (
     Account,
     AttemptResult,
     JobState,
@@ -33,8 +33,8 @@ from queue_impl.interface import (
     Outcome,
     WriteResult,
 )
-from queue_impl.memory import InMemoryQueue
-from queue_impl.pg import PgQueue
+from skiplock.queue_impl.memory import InMemoryQueue
+from skiplock.queue_impl.pg import PgQueue
 
 pytestmark = pytest.mark.stateful
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from plumbing.errors import UsageError
-from queue_impl.sqlfile import reference_statements
-from scenarios import bench_queue
+from skiplock.plumbing.errors import UsageError
+from skiplock.queue_impl.sqlfile import reference_statements
+from skiplock.scenarios import bench_queue
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -85,7 +85,7 @@ def test_cli_bad_input_exits_2_with_one_line(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    from scenarios.cli import main
+    from skiplock.scenarios.cli import main
 
     monkeypatch.chdir(tmp_path)  # the default result folder is made under the cwd
 
@@ -100,8 +100,8 @@ def test_against_pgqueuer_without_it_installed_is_bad_input(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from plumbing.errors import UsageError
-    from scenarios.bench_pgqueuer import require_pgqueuer
+    from skiplock.plumbing.errors import UsageError
+    from skiplock.scenarios.bench_pgqueuer import require_pgqueuer
 
     monkeypatch.setitem(sys.modules, "pgqueuer", None)  # import fails as if absent
     with pytest.raises(UsageError, match=r"pip install 'skiplock\[pgqueuer\]'"):

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from reports.checker import CUT_MAY_CAUSE, VIOLATION_KEYS, Verdict, check_run
-from reports.history import ENQUEUE_LOG, WORKER_LOG, HistoryError, read_json
-from reports.synthetic import RunBuilder
+from skiplock.reports.checker import CUT_MAY_CAUSE, VIOLATION_KEYS, Verdict, check_run
+from skiplock.reports.history import ENQUEUE_LOG, WORKER_LOG, HistoryError, read_json
+from skiplock.reports.synthetic import RunBuilder
 
 SUCCEED: dict[str, Any] = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None,
                            "then": {"behaviour": "ok"}}

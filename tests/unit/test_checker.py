@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from reports.bench_checker import build_synthetic
-from reports.checker import COUNT_KEYS, VIOLATION_KEYS, Verdict, check_run, write_verdict
-from reports.history import (
+from skiplock.reports.bench_checker import build_synthetic
+from skiplock.reports.checker import COUNT_KEYS, VIOLATION_KEYS, Verdict, check_run, write_verdict
+from skiplock.reports.history import (
     DELIVERY_LOG,
     ENQUEUE_LOG,
     FINAL_JOBS_LOG,
@@ -29,7 +29,7 @@ from reports.history import (
     LogFormat,
     read_log,
 )
-from reports.synthetic import LineWriter, RunBuilder, history_files, write_log
+from skiplock.reports.synthetic import LineWriter, RunBuilder, history_files, write_log
 
 LOGS: dict[str, LogFormat] = {"enqueues.csv": ENQUEUE_LOG, "final_jobs.csv": FINAL_JOBS_LOG,
                               "deliveries": DELIVERY_LOG, "workers": WORKER_LOG}

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from queue_impl.interface import REFERENCE_GUARANTEES, Guarantees
-from reports.checker import check_run
-from reports.history import HistoryError
-from reports.synthetic import RunBuilder
+from skiplock.queue_impl.interface import REFERENCE_GUARANTEES, Guarantees
+from skiplock.reports.checker import check_run
+from skiplock.reports.history import HistoryError
+from skiplock.reports.synthetic import RunBuilder
 
 SUCCEED = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None}
 ALWAYS_503 = {"name": "fail", "first": {"behaviour": "status", "status": 503}, "times": None}

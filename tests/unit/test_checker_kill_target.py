@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from reports.checker import check_run
-from reports.synthetic import RunBuilder
+from skiplock.reports.checker import check_run
+from skiplock.reports.synthetic import RunBuilder
 
 SUCCEED = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None,
            "then": {"behaviour": "ok"}}

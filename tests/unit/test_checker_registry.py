@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from reports.checker import ANOMALIES, COUNT_KEYS, MEANINGS, VIOLATION_KEYS, check_run
-from reports.checker.common import Example
-from reports.synthetic import RunBuilder
+from skiplock.reports.checker import ANOMALIES, COUNT_KEYS, MEANINGS, VIOLATION_KEYS, check_run
+from skiplock.reports.checker.common import Example
+from skiplock.reports.synthetic import RunBuilder
 
 ROOT = Path(__file__).resolve().parents[2]
 FAIL_ONCE: dict[str, Any] = {"name": "custom", "first": {"behaviour": "status", "status": 503},
@@ -25,7 +25,7 @@ def test_each_anomaly_is_decided_in_the_module_named_after_it() -> None:
     modules = {p.stem for p in (ROOT / "reports/checker/anomalies").glob("*.py")} - {"__init__"}
     assert modules == {a.kind for a in ANOMALIES}
     for anomaly in ANOMALIES:
-        assert anomaly.module.__name__ == f"reports.checker.anomalies.{anomaly.kind}"
+        assert anomaly.module.__name__ == f"skiplock.reports.checker.anomalies.{anomaly.kind}"
         assert anomaly.module.__doc__ and anomaly.module.__doc__.startswith(f"`{anomaly.kind}`")
 
 
@@ -54,7 +54,7 @@ def test_an_example_carries_its_evidence_as_data(tmp_path: Path) -> None:
     assert evidence["received"] == pytest.approx(100.101)
     assert evidence["least_delay"] == pytest.approx(0.5)
     # The sentence is said from the evidence, not the other way round.
-    module = importlib.import_module("reports.checker.anomalies.early_retry")
+    module = importlib.import_module("skiplock.reports.checker.anomalies.early_retry")
     assert module.say(Example("job-1", example["case"], evidence)) == example["why"]
 
 
@@ -73,7 +73,7 @@ def test_a_rule_that_breaks_makes_its_own_answer_unknown(
         yield Example("job-1", "x", {})
         raise KeyError("deliberately broken")
 
-    monkeypatch.setattr("reports.checker.anomalies.stale_write.find", broken)
+    monkeypatch.setattr("skiplock.reports.checker.anomalies.stale_write.find", broken)
     verdict = check_run([run_dir])
     assert verdict.valid is False  # the duplicate still stands
     assert verdict.counts["duplicate_unexplained"] == 1

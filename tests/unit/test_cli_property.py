@@ -45,11 +45,11 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from psycopg.conninfo import conninfo_to_dict
 
-from chaos.nemesis import NEMESIS_KINDS
-from queue_impl.plugins import BACKEND_NAMES, dsn_view
-from reports.synthetic import RunBuilder
-from scenarios import cli
-from scenarios.spec import FAILPOINT_NAMES, SCALAR_KEYS, SCRIPT_NAMES, available
+from skiplock.chaos.nemesis import NEMESIS_KINDS
+from skiplock.queue_impl.plugins import BACKEND_NAMES, dsn_view
+from skiplock.reports.synthetic import RunBuilder
+from skiplock.scenarios import cli
+from skiplock.scenarios.spec import FAILPOINT_NAMES, SCALAR_KEYS, SCRIPT_NAMES, available
 
 # --------------------------------------------------------------------------------------------
 # Settings: fast in CI, as long as asked for locally.
@@ -186,12 +186,12 @@ def _would_serve(*args: Any, **kwargs: Any) -> Any:
 def install_guards(setattr_: Callable[[Any, str, Any], None],
                    delenv: Callable[[str], None]) -> None:
     """Patch the few places where the CLI would start or reach something real."""
-    import chaos.bench_target
-    import chaos.cmd_target
-    import reports.bench_checker
-    import scenarios.provision as provision
-    import scenarios.runner
-    import scenarios.workers
+    import skiplock.chaos.bench_target
+    import skiplock.chaos.cmd_target
+    import skiplock.reports.bench_checker
+    import skiplock.scenarios.provision as provision
+    import skiplock.scenarios.runner
+    import skiplock.scenarios.workers
 
     for name in _PG_ENV:
         delenv(name)
@@ -207,12 +207,12 @@ def install_guards(setattr_: Callable[[Any, str, Any], None],
     setattr_(psycopg.Connection, "connect",
              classmethod(lambda cls, *a, **k: _guard_connect(real_connect)(*a, **k)))
     setattr_(socket, "getaddrinfo", _guard_getaddrinfo(socket.getaddrinfo))
-    setattr_(scenarios.runner, "run_scenario", _trip("would run a scenario"))
-    setattr_(scenarios.workers.WorkerPool, "start", _trip("would start workers"))
-    setattr_(chaos.cmd_target, "serve", _would_serve)
-    setattr_(chaos.bench_target, "bench", _would_serve)
+    setattr_(skiplock.scenarios.runner, "run_scenario", _trip("would run a scenario"))
+    setattr_(skiplock.scenarios.workers.WorkerPool, "start", _trip("would start workers"))
+    setattr_(skiplock.chaos.cmd_target, "serve", _would_serve)
+    setattr_(skiplock.chaos.bench_target, "bench", _would_serve)
     # The benchmark waits two seconds so that its history can be cached; no need here.
-    setattr_(reports.bench_checker, "_wait_until_cacheable", lambda run_dir: 0.0)
+    setattr_(skiplock.reports.bench_checker, "_wait_until_cacheable", lambda run_dir: 0.0)
 
 
 @pytest.fixture(autouse=True)
@@ -475,7 +475,8 @@ _FACTORY_SYNTAX = re.compile(r"^[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
 backends: st.SearchStrategy[str] = st.one_of(
     st.sampled_from([*BACKEND_NAMES, "bullmq", "pg", "PG", "pg-naive ", "memory", "json:loads",
                      "json:nope", "os.path:join", "skiplock_no_such_module_xyz:factory",
-                     "queue_impl.memory:MemoryQueue", "scenarios.spec:SCALAR_KEYS", ":", "a:",
+                     "skiplock.queue_impl.memory:MemoryQueue",
+                     "skiplock.scenarios.spec:SCALAR_KEYS", ":", "a:",
                      ":b", "a.:b", "1a:b"]),
     garbage.filter(lambda s: not _FACTORY_SYNTAX.match(s)),
 )

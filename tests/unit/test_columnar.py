@@ -13,11 +13,11 @@ from typing import Any
 import pyarrow as pa  # type: ignore[import-untyped]
 import pytest
 
-from reports import checker, columnar
-from reports.checker import check_run
-from reports.checker import load as checker_load
-from reports.history import DELIVERIES_DIR, DELIVERY_LOG, ENQUEUES_FILE, WORKERS_DIR
-from reports.synthetic import RunBuilder, history_files, write_log
+from skiplock.reports import checker, columnar
+from skiplock.reports.checker import check_run
+from skiplock.reports.checker import load as checker_load
+from skiplock.reports.history import DELIVERIES_DIR, DELIVERY_LOG, ENQUEUES_FILE, WORKERS_DIR
+from skiplock.reports.synthetic import RunBuilder, history_files, write_log
 
 SUCCEED: dict[str, Any] = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None,
                            "then": {"behaviour": "ok"}}

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from plumbing.errors import UsageError
-from reports import cmd_compare
-from scenarios import cli
+from skiplock.plumbing.errors import UsageError
+from skiplock.reports import cmd_compare
+from skiplock.scenarios import cli
 
 E2E: dict[str, Any] = {
     "benchmark": "e2e",

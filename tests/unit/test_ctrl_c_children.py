@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from plumbing.orphans import children_deaf_to_ctrl_c
+from skiplock.plumbing.orphans import children_deaf_to_ctrl_c
 
 # The child sends itself SIGINT: it says whether it survived, blocked, with the signal pending.
 _SURVIVES_SIGINT = (

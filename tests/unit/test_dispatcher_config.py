@@ -9,8 +9,13 @@ from typing import cast
 
 import pytest
 
-from queue_impl.dispatcher import ConfigError, Dispatcher, DispatcherConfig, validate_worker_count
-from queue_impl.interface import QueueBackend
+from skiplock.queue_impl.dispatcher import (
+    ConfigError,
+    Dispatcher,
+    DispatcherConfig,
+    validate_worker_count,
+)
+from skiplock.queue_impl.interface import QueueBackend
 
 
 def test_defaults_are_valid_and_picklable() -> None:
@@ -117,7 +122,7 @@ def test_worker_count_must_be_positive(count: int) -> None:
 def test_worker_command_refuses_bad_values_with_exit_2(
     argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from scenarios.cli import main
+    from skiplock.scenarios.cli import main
 
     # A DSN that is never connected to: every check here happens before any connection.
     dsn = "postgresql://skiplock:secret-password@127.0.0.1:1/none"
@@ -131,7 +136,7 @@ def test_worker_command_refuses_bad_values_with_exit_2(
 def test_worker_command_needs_a_database(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from scenarios.cli import main
+    from skiplock.scenarios.cli import main
 
     monkeypatch.delenv("SKIPLOCK_PG_DSN", raising=False)
     assert main(["worker"]) == 2
@@ -141,7 +146,7 @@ def test_worker_command_needs_a_database(
 def test_worker_command_reports_an_unreachable_server_without_its_password(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from scenarios.cli import main
+    from skiplock.scenarios.cli import main
 
     # Port 1 on loopback: refused at once, nothing leaves the machine.
     dsn = "postgresql://skiplock:secret-password@127.0.0.1:1/none"
@@ -188,7 +193,7 @@ def test_without_a_seed_failpoints_still_fire_at_their_probability() -> None:
 def test_worker_command_checks_the_events_dir_before_the_database(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from scenarios.cli import main
+    from skiplock.scenarios.cli import main
 
     not_a_dir = tmp_path / "events"
     not_a_dir.write_text("a regular file\n")
@@ -205,7 +210,7 @@ def test_worker_command_checks_the_events_dir_before_the_database(
 def test_worker_command_refuses_an_events_dir_under_a_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from scenarios.cli import main
+    from skiplock.scenarios.cli import main
 
     (tmp_path / "file").write_text("")
     dsn = "postgresql://skiplock:secret-password@127.0.0.1:1/none"
@@ -218,7 +223,7 @@ def test_worker_command_refuses_an_events_dir_under_a_file(
 def test_worker_command_takes_back_the_events_dir_it_made_when_the_database_fails(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from scenarios.cli import main
+    from skiplock.scenarios.cli import main
 
     dsn = "postgresql://skiplock:secret-password@127.0.0.1:1/none"
     events_dir = tmp_path / "new" / "events"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from queue_impl.dispatcher import Dispatcher, DispatcherConfig
-from queue_impl.memory import InMemoryQueue
+from skiplock.queue_impl.dispatcher import Dispatcher, DispatcherConfig
+from skiplock.queue_impl.memory import InMemoryQueue
 
 POLL = 5.0
 

@@ -19,12 +19,12 @@ from typing import Any, get_args
 
 import pytest
 
-from queue_impl.dispatcher import Dispatcher, DispatcherConfig
-from queue_impl.interface import Lease
-from queue_impl.memory import InMemoryQueue
-from reports.checker import Verdict, check_run
-from reports.history import WORKER_LOG, LogFormat, WorkerEventKind
-from reports.synthetic import RunBuilder, write_log
+from skiplock.queue_impl.dispatcher import Dispatcher, DispatcherConfig
+from skiplock.queue_impl.interface import Lease
+from skiplock.queue_impl.memory import InMemoryQueue
+from skiplock.reports.checker import Verdict, check_run
+from skiplock.reports.history import WORKER_LOG, LogFormat, WorkerEventKind
+from skiplock.reports.synthetic import RunBuilder, write_log
 
 SUCCEED: dict[str, Any] = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None,
                            "then": {"behaviour": "ok"}}
@@ -185,7 +185,7 @@ def test_a_log_written_before_the_op_column_still_reads(tmp_path: Path) -> None:
 
 
 def _record(line: str) -> dict[str, Any]:
-    from reports.history import parse_row
+    from skiplock.reports.history import parse_row
 
     return parse_row(Path("x"), 2, line, list(WORKER_LOG.names), WORKER_LOG)
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reports.history import (
+from skiplock.reports.history import (
     DELIVERY_LOG,
     ENQUEUE_LOG,
     FINAL_JOBS_LOG,
@@ -144,7 +144,7 @@ def test_columns_are_found_by_name(tmp_path: Path) -> None:
 _WRITE_MANY = """
 import sys
 from pathlib import Path
-from reports.history import ENQUEUE_LOG, EnqueueOp, LogWriter
+from skiplock.reports.history import ENQUEUE_LOG, EnqueueOp, LogWriter
 name, count = sys.argv[1], int(sys.argv[2])
 with LogWriter(Path(sys.argv[3]), ENQUEUE_LOG) as writer:
     for i in range(count):
@@ -224,7 +224,7 @@ def test_a_log_cut_off_mid_line_is_not_appended_to(tmp_path: Path) -> None:
 _APPEND_MANY = """
 import sys
 from pathlib import Path
-from reports.history import ENQUEUE_LOG, EnqueueOp, LogWriter
+from skiplock.reports.history import ENQUEUE_LOG, EnqueueOp, LogWriter
 with LogWriter(Path(sys.argv[2]), ENQUEUE_LOG) as writer:
     for i in range(5000):
         writer.write(EnqueueOp(type="ok", job_id=f"{sys.argv[1]}-{i}-" + "x" * 200,
@@ -254,7 +254,7 @@ def test_write_json_writes_into_a_device_instead_of_replacing_it(tmp_path: Path)
     file where the device was (and break every program that writes to /dev/null)."""
     import stat
 
-    from reports.history import write_json
+    from skiplock.reports.history import write_json
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)

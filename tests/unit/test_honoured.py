@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from queue_impl.bullmq_queue import GUARANTEES as BULLMQ
-from queue_impl.interface import REFERENCE_GUARANTEES
-from scenarios.honoured import unhonoured
-from scenarios.spec import load
+from skiplock.queue_impl.bullmq_queue import GUARANTEES as BULLMQ
+from skiplock.queue_impl.interface import REFERENCE_GUARANTEES
+from skiplock.scenarios.honoured import unhonoured
+from skiplock.scenarios.spec import load
 
 
 def test_the_shipped_scenarios_bullmq_can_run() -> None:

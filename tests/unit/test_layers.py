@@ -23,10 +23,16 @@ def _imported_packages(path: Path) -> set[str]:
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
+            found.update(_part(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
+            found.add(_part(node.module))
     return found & set(LAYERS)
+
+
+def _part(module: str) -> str:
+    """`skiplock.reports.checker` -> `reports`; a top-level name as it is."""
+    names = module.split(".")
+    return names[1] if names[0] == "skiplock" and len(names) > 1 else names[0]
 
 
 def test_each_package_imports_only_the_packages_below_it() -> None:
@@ -41,11 +47,39 @@ def test_each_package_imports_only_the_packages_below_it() -> None:
 
 def test_the_rule_sees_an_upward_import(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from scenarios.spec import load\n    import chaos.target\n")
+    module.write_text("def f():\n    from skiplock.scenarios.spec import load\n"
+                      "    import skiplock.chaos.target\n")
     assert _imported_packages(module) == {"scenarios", "chaos"}
 
 
 def test_every_package_is_placed_in_a_layer() -> None:
-    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"skiplock"}
     assert packages == set(LAYERS), packages
+
+
+def test_the_namespace_links_every_package_and_nothing_else() -> None:
+    linked = {p.name: p for p in (ROOT / "skiplock").iterdir() if p.is_symlink()}
+    assert set(linked) == set(LAYERS), sorted(linked)
+    for name, link in linked.items():
+        assert link.resolve() == (ROOT / name).resolve(), f"skiplock/{name} points elsewhere"
+
+
+def test_nothing_imports_a_package_by_its_folder_name() -> None:
+    """From the checkout, `import reports` would load a second copy of the modules that
+    `skiplock.reports` already loaded (and a wheel has no such top-level package at all)."""
+    tops = set(LAYERS)
+    stray = []
+    for folder in (*LAYERS, "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    modules = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    modules = [node.module]
+                else:
+                    continue
+                stray += [f"{path.relative_to(ROOT)}: {m}" for m in modules
+                          if m.split(".")[0] in tops]
+    assert not stray, "imports outside the skiplock namespace:\n" + "\n".join(stray)
 

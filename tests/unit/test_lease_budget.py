@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from queue_impl.dispatcher import LEASE_TOO_SHORT, Dispatcher, DispatcherConfig, lease_left
-from queue_impl.interface import Account, JobStatus, Lease, NewJob
-from queue_impl.memory import InMemoryQueue
+from skiplock.queue_impl.dispatcher import LEASE_TOO_SHORT, Dispatcher, DispatcherConfig, lease_left
+from skiplock.queue_impl.interface import Account, JobStatus, Lease, NewJob
+from skiplock.queue_impl.memory import InMemoryQueue
 
 
 def test_a_claim_that_came_back_at_once_has_the_whole_lease() -> None:

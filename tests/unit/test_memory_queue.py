@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from queue_impl.interface import (
+from skiplock.queue_impl.interface import (
     Account,
     AttemptResult,
     JobStatus,
@@ -19,9 +19,9 @@ from queue_impl.interface import (
     QueueBackend,
     WriteResult,
 )
-from queue_impl.memory import InMemoryQueue, factory
-from queue_impl.pg import PgQueue
-from queue_impl.plugins import BACKEND_NAMES, BackendSpec, validate_backend_name
+from skiplock.queue_impl.memory import InMemoryQueue, factory
+from skiplock.queue_impl.pg import PgQueue
+from skiplock.queue_impl.plugins import BACKEND_NAMES, BackendSpec, validate_backend_name
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -129,7 +129,7 @@ def test_bad_arguments() -> None:
         q.enqueue([job, job])
 
 
-# -- choosing a backend by name (queue_impl.plugins) -----------------------------------------
+# -- choosing a backend by name (skiplock.queue_impl.plugins) --------------------------------
 
 
 def test_backend_spec_is_picklable_and_hides_the_password() -> None:
@@ -150,7 +150,7 @@ def test_reference_names_build_pg_queues_lazily() -> None:
 
 
 def test_factory_names_load_any_implementation() -> None:
-    spec = BackendSpec(name="queue_impl.memory:factory")
+    spec = BackendSpec(name="skiplock.queue_impl.memory:factory")
     validate_backend_name(spec.name)
     assert isinstance(spec.create(), InMemoryQueue)
 
@@ -161,8 +161,14 @@ def test_factory_names_load_any_implementation() -> None:
         ("redis", "unknown backend 'redis'"),
         ("pg-fast", "unknown backend"),
         ("no_such_module_xyz:make", "cannot import no_such_module_xyz"),
-        ("queue_impl.memory:nothing_here", "has no callable 'nothing_here'"),
-        ("queue_impl.memory:", "unknown backend"),
+        ("skiplock.queue_impl.memory:nothing_here", "has no callable 'nothing_here'"),
+        ("skiplock.queue_impl.memory:", "unknown backend"),
+        # skiplock 0.1's spelling, before everything moved under the `skiplock` namespace.
+        ("queue_impl.pgqueuer_backend:factory",
+         "use --backend skiplock.queue_impl.pgqueuer_backend:factory"),
+        ("queue_impl.memory:factory", "use --backend skiplock.queue_impl.memory:factory"),
+        # A name under one of those folder names that skiplock does not have is the user's.
+        ("reports.no_such_module_xyz:make", "cannot import reports.no_such_module_xyz"),
     ],
 )
 def test_unusable_backend_names_are_refused_in_one_line(name: str, expected: str) -> None:
@@ -175,7 +181,7 @@ def test_a_factory_must_return_a_queue_backend() -> None:
     with pytest.raises(ValueError, match="does not implement QueueBackend"):
         BackendSpec(name="builtins:dict").create()
     with pytest.raises(ValueError, match="cannot be called as factory"):
-        BackendSpec(name="queue_impl.memory:FencedWrite").create()
+        BackendSpec(name="skiplock.queue_impl.memory:FencedWrite").create()
 
 
 @pytest.mark.parametrize(

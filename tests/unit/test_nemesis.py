@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from chaos import nemesis
-from chaos.nemesis import (
+from skiplock.chaos import nemesis
+from skiplock.chaos.nemesis import (
     NemesisError,
     NemesisSpec,
     PlannedFault,
@@ -22,8 +22,8 @@ from chaos.nemesis import (
     shortcut,
     spec_from_mapping,
 )
-from reports.history import FaultEvent
-from scenarios import spec as spec_mod
+from skiplock.reports.history import FaultEvent
+from skiplock.scenarios import spec as spec_mod
 
 
 def planned(specs: list[NemesisSpec], seed: int) -> list[PlannedFault]:
@@ -188,7 +188,7 @@ def test_a_pause_is_healed_when_the_load_ends_and_recorded_with_its_window() -> 
 
 def test_a_firing_with_no_lease_holder_is_recorded_as_skipped(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from chaos import nemesis_worker
+    from skiplock.chaos import nemesis_worker
 
     monkeypatch.setattr(nemesis_worker, "HOLDER_WAIT_SECONDS", 0.05)
     ctx = FakeContext(holders=[])

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from queue_impl.interface import Outcome
-from reports.history import SUCCEED, Behaviour, JobScript, Step
-from reports.oracle import Expected, OracleCache, build_oracle, script_from_payload, step_outcome
+from skiplock.queue_impl.interface import Outcome
+from skiplock.reports.history import SUCCEED, Behaviour, JobScript, Step
+from skiplock.reports.oracle import (
+    Expected,
+    OracleCache,
+    build_oracle,
+    script_from_payload,
+    step_outcome,
+)
 
 TIMEOUT = 2.0
 

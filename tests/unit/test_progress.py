@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from reports.history import (
+from skiplock.reports.history import (
     DELIVERIES_DIR,
     DELIVERY_LOG,
     ENQUEUE_LOG,
@@ -14,7 +14,7 @@ from reports.history import (
     WORKERS_DIR,
     LogWriter,
 )
-from scenarios.progress import Sampler, _table
+from skiplock.scenarios.progress import Sampler, _table
 
 
 def _delivery(job: str, account: str, in_flight: int) -> dict[str, object]:

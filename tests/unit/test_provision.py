@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from plumbing.errors import HarnessError, UsageError
-from scenarios import provision
-from scenarios.provision import DSN_ENV, choose_source, postgres, redact_dsn
+from skiplock.plumbing.errors import HarnessError, UsageError
+from skiplock.scenarios import provision
+from skiplock.scenarios.provision import DSN_ENV, choose_source, postgres, redact_dsn
 
 
 def _docker_yes() -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scenarios.provision_redis import durability_args, redact_url
+from skiplock.scenarios.provision_redis import durability_args, redact_url
 
 
 @pytest.mark.parametrize(("url", "shown"), [
@@ -39,8 +39,8 @@ def test_the_attempt_is_bullmqs_own_count_and_each_pick_its_own_lease() -> None:
     token), also when two jobs fetched in one pass share a lock token."""
     from types import SimpleNamespace
 
-    from queue_impl.bullmq_worker import lease_of
-    from queue_impl.dispatcher import DispatcherConfig
+    from skiplock.queue_impl.bullmq_worker import lease_of
+    from skiplock.queue_impl.dispatcher import DispatcherConfig
 
     def job(made: int, job_id: str = "6bab294e-e54c-4551-a933-0197328a189a") -> SimpleNamespace:
         return SimpleNamespace(id=job_id, attemptsStarted=made + 2, attemptsMade=made,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reports.checker import COUNT_KEYS, MEANINGS, VIOLATION_KEYS
+from skiplock.reports.checker import COUNT_KEYS, MEANINGS, VIOLATION_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,11 +10,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from chaos.nemesis import NEMESIS_KINDS
-from plumbing.errors import UsageError
-from reports.history import DELIVERY_LOG, LogWriter
-from scenarios import bench_recovery
-from scenarios.bench_recovery import RecoveryError, read_deliveries, recovery_time
+from skiplock.chaos.nemesis import NEMESIS_KINDS
+from skiplock.plumbing.errors import UsageError
+from skiplock.reports.history import DELIVERY_LOG, LogWriter
+from skiplock.scenarios import bench_recovery
+from skiplock.scenarios.bench_recovery import RecoveryError, read_deliveries, recovery_time
 
 LOAD = 12.0
 FAULT = 4.0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from reports.history import (
+from skiplock.reports.history import (
     DELIVERIES_DIR,
     DELIVERY_LOG,
     ENQUEUE_LOG,
@@ -20,7 +20,7 @@ from reports.history import (
     HistoryError,
     LogWriter,
 )
-from reports.report_data import (
+from skiplock.reports.report_data import (
     bin_seconds,
     load_run,
     outstanding_by_account,

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from queue_impl.interface import Outcome
-from queue_impl.retry import RetryPolicy, classify_status, status_is_transient
+from skiplock.queue_impl.interface import Outcome
+from skiplock.queue_impl.retry import RetryPolicy, classify_status, status_is_transient
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ from urllib.parse import quote
 
 import pytest
 
-from plumbing.errors import UsageError
-from queue_impl.plugins import (
+from skiplock.plumbing.errors import UsageError
+from skiplock.queue_impl.plugins import (
     DSN_HIDDEN,
     BackendSpec,
     check_backend,
@@ -26,10 +26,10 @@ from queue_impl.plugins import (
     scrub,
     shown_options,
 )
-from scenarios import spec as spec_mod
-from scenarios.cmd_run import check_dsn, check_out
-from scenarios.provision import _scrub, redact_dsn
-from scenarios.spec import NAME_MAX, SpecError
+from skiplock.scenarios import spec as spec_mod
+from skiplock.scenarios.cmd_run import check_dsn, check_out
+from skiplock.scenarios.provision import _scrub, redact_dsn
+from skiplock.scenarios.spec import NAME_MAX, SpecError
 
 # --- scenario files -------------------------------------------------------------------------
 
@@ -162,7 +162,7 @@ def test_bad_names_are_refused_from_a_file_and_from_set(tmp_path: Path) -> None:
 
 
 def test_new_run_dir_stays_inside_out(tmp_path: Path) -> None:
-    from scenarios.runner import new_run_dir
+    from skiplock.scenarios.runner import new_run_dir
 
     out = tmp_path / "runs"
     run_dir = new_run_dir(out, spec_mod.ScenarioSpec(name="ok"), 1)
@@ -175,7 +175,7 @@ def test_new_run_dir_stays_inside_out(tmp_path: Path) -> None:
 
 
 def test_a_removed_run_takes_only_the_empty_folders_it_made(tmp_path: Path) -> None:
-    from scenarios.runner import missing_folders, new_run_dir, remove_if_empty
+    from skiplock.scenarios.runner import missing_folders, new_run_dir, remove_if_empty
 
     (tmp_path / "kept").mkdir()
     out = tmp_path / "kept" / "a" / "b"
@@ -191,7 +191,7 @@ def test_a_removed_run_takes_only_the_empty_folders_it_made(tmp_path: Path) -> N
 
 
 def test_new_run_dir_under_a_file_is_a_usage_error(tmp_path: Path) -> None:
-    from scenarios.runner import new_run_dir
+    from skiplock.scenarios.runner import new_run_dir
 
     (tmp_path / "afile").write_text("")
     for out in (tmp_path / "afile", tmp_path / "afile" / "sub"):
@@ -324,7 +324,7 @@ def test_check_dsn_refuses_an_empty_or_misread_dsn(monkeypatch: pytest.MonkeyPat
 # --- plug-in factories ----------------------------------------------------------------------
 
 PLUGIN = '''
-from queue_impl.memory import InMemoryQueue
+from skiplock.queue_impl.memory import InMemoryQueue
 
 class Queue:
     """A QueueBackend in shape only; this module counts what is built and closed."""
@@ -437,10 +437,11 @@ def test_a_factory_that_cannot_serve_a_run_is_one_line_naming_it(
 
 def test_the_in_memory_model_is_refused_for_runs_but_still_builds_in_one_process() -> None:
     with pytest.raises(ValueError, match="lives inside one process"):
-        check_backend("queue_impl.memory:factory", dsn=DSN, schema="s")
-    from queue_impl.memory import InMemoryQueue
+        check_backend("skiplock.queue_impl.memory:factory", dsn=DSN, schema="s")
+    from skiplock.queue_impl.memory import InMemoryQueue
 
-    assert isinstance(BackendSpec(name="queue_impl.memory:factory").create(), InMemoryQueue)
+    backend = BackendSpec(name="skiplock.queue_impl.memory:factory").create()
+    assert isinstance(backend, InMemoryQueue)
 
 
 def test_reference_backends_need_no_call() -> None:
@@ -452,7 +453,7 @@ def test_reference_backends_need_no_call() -> None:
 
 
 def test_the_demo_names_and_describes_what_it_mixes_in() -> None:
-    from scenarios.cmd_demo import DEMO_DEFAULTS, demo_spec
+    from skiplock.scenarios.cmd_demo import DEMO_DEFAULTS, demo_spec
 
     spec = demo_spec(spec_mod.load("steady", DEMO_DEFAULTS), [])
     assert spec.name == "demo"
@@ -468,15 +469,15 @@ def test_the_demo_names_and_describes_what_it_mixes_in() -> None:
 
 
 def test_the_live_table_and_the_summary_count_deliveries_alike(tmp_path: Path) -> None:
-    from reports.history import (
+    from skiplock.reports.history import (
         DELIVERIES_DIR,
         DELIVERY_LOG,
         ENQUEUE_LOG,
         ENQUEUES_FILE,
         LogWriter,
     )
-    from scenarios.cmd_demo import summary_table
-    from scenarios.progress import LABELS, Sampler, _table
+    from skiplock.scenarios.cmd_demo import summary_table
+    from skiplock.scenarios.progress import LABELS, Sampler, _table
 
     with LogWriter(tmp_path / ENQUEUES_FILE, ENQUEUE_LOG) as enq:
         for job in ("a", "b"):
@@ -505,7 +506,7 @@ def test_the_live_table_and_the_summary_count_deliveries_alike(tmp_path: Path) -
 # --- plug-in options: --backend-opt ----------------------------------------------------------
 
 OPTIONED = '''
-from queue_impl.memory import InMemoryQueue
+from skiplock.queue_impl.memory import InMemoryQueue
 
 SEEN = []
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from queue_impl.sqlfile import (
+from skiplock.queue_impl.sqlfile import (
     BLOCK_NAMES,
     REFERENCE_PATH,
     REQUIRED_PLACEHOLDERS,

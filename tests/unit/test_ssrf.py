@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from queue_impl.ssrf import (
+from skiplock.queue_impl.ssrf import (
     AllowedTarget,
     PinnedResolver,
     ResolutionFailed,

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from plumbing.errors import UsageError
-from scenarios.cmd_sweep import knee_of, parse_rates
+from skiplock.plumbing.errors import UsageError
+from skiplock.scenarios.cmd_sweep import knee_of, parse_rates
 
 
 def test_sweep_rates_and_knee() -> None:

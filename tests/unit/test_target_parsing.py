@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from chaos.target import _parse_script, check_host, check_name, deliveries_path, url_for
-from reports.history import Behaviour, JobScript, Step
+from skiplock.chaos.target import _parse_script, check_host, check_name, deliveries_path, url_for
+from skiplock.reports.history import Behaviour, JobScript, Step
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Literal
 
-from queue_impl.interface import Guarantees
-from reports.checker.anomalies import (
+from skiplock.queue_impl.interface import Guarantees
+from skiplock.reports.checker.anomalies import (
     attempts_exceeded,
     concurrent_delivery,
     duplicate_explained,
@@ -30,10 +30,10 @@ from reports.checker.anomalies import (
     stuck,
     unexpected,
 )
-from reports.checker.common import Example
-from reports.checker.explained import Explained
-from reports.checker.frame import Frame
-from reports.history import (
+from skiplock.reports.checker.common import Example
+from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.frame import Frame
+from skiplock.reports.history import (
     DELIVERIES_DIR,
     ENQUEUES_FILE,
     FINAL_JOBS_FILE,

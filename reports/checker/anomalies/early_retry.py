@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from reports.checker.common import Example, attempt_number, shown
-from reports.checker.explained import Explained
-from reports.checker.frame import Frame
+from skiplock.reports.checker.common import Example, attempt_number, shown
+from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.frame import Frame
 
 
 def find(f: Frame, e: Explained) -> Iterator[Example]:

@@ -1,13 +1,13 @@
 """`limit_exceeded`: more deliveries of one account in flight than its limit, from delivery
-intervals as the queue sees them (`reports.checker.slots`)."""
+intervals as the queue sees them (`skiplock.reports.checker.slots`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from reports.checker.common import Example, fmt
-from reports.checker.explained import Explained
-from reports.checker.frame import Frame
+from skiplock.reports.checker.common import Example, fmt
+from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.frame import Frame
 
 
 def find(f: Frame, e: Explained) -> Iterator[Example]:

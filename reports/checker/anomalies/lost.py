@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from reports.checker.common import Example
-from reports.checker.explained import Explained
-from reports.checker.frame import Frame
+from skiplock.reports.checker.common import Example
+from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.frame import Frame
 
 
 def find(f: Frame, e: Explained) -> Iterator[Example]:

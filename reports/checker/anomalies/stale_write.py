@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from reports.checker.common import Example, attempt_number, fmt, records, shown
-from reports.checker.explained import Explained
-from reports.checker.frame import Frame, write_sent
+from skiplock.reports.checker.common import Example, attempt_number, fmt, records, shown
+from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.frame import Frame, write_sent
 
 
 def find(f: Frame, e: Explained) -> Iterator[Example]:

@@ -1,5 +1,5 @@
 """`stuck`: a job not finished after a completed drain. (When the drain timed out, live jobs
-make the answer unknown instead: `reports.checker.judge`.)"""
+make the answer unknown instead: `skiplock.reports.checker.judge`.)"""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from reports.checker.common import Example
-from reports.checker.explained import Explained
-from reports.checker.frame import Frame
+from skiplock.reports.checker.common import Example
+from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.frame import Frame
 
 
 def find(f: Frame, e: Explained) -> Iterator[Example]:
