@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 
 from skiplock.plumbing.errors import UsageError
-from skiplock.scenarios.cmd_run import backend_options, check_dsn
+from skiplock.scenarios.cmd_run import backend_options, check_dsn, check_redis_url
 from skiplock.scenarios.gate import DEFAULT_OUT, SUITE, line, resolve_scenarios, run_gate
 from skiplock.scenarios.provision import DSN_ENV, check_reachable
 
@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from skiplock.scenarios.cmd_run import check_out, check_system_under_test
 
     check_system_under_test(args.backend, args.sql_path)
+    check_redis_url(args.backend, None)
     check_dsn(args.dsn)
     if args.seeds < 1:
         raise UsageError(f"--seeds must be at least 1 (got {args.seeds})")
@@ -76,18 +77,21 @@ def run(args: argparse.Namespace) -> int:
         check_reachable(args.dsn or os.environ[DSN_ENV])
     base = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     seeds = [base + i for i in range(args.seeds)]
+    options = backend_options(args)
     console = Console(stderr=True, highlight=False)
-    console.print(f"skiplock gate: backend {args.backend}"
-                  + (f", sql {args.sql_path}" if args.sql_path else "")
-                  + f", {len(scenarios)} scenario(s) x {len(seeds)} seed(s), first seed"
-                  f" {base} (replay: --seed {base})")
-    out = Console(highlight=False)
 
+    def header() -> None:
+        console.print(f"skiplock gate: backend {args.backend}"
+                      + (f", sql {args.sql_path}" if args.sql_path else "")
+                      + f", {len(scenarios)} scenario(s) x {len(seeds)} seed(s), first seed"
+                      f" {base} (replay: --seed {base})")
+
+    out = Console(highlight=False)
     summary = run_gate(backend=args.backend, sql_path=args.sql_path, dsn=args.dsn,
-                       backend_options=backend_options(args),
+                       backend_options=options,
                        out=args.out, seeds=seeds, scenarios=scenarios, overrides=overrides,
                        report=lambda result: out.print(line(result), soft_wrap=True),
-                       html=not args.no_report)
+                       accepted=header, html=not args.no_report)
     counts = summary.to_json()["counts"]
     verdict = {0: "[green]PASSED[/]", 1: "[bold red]FAILED: a guarantee was violated[/]",
                2: "[bold red]NOTHING JUDGED: no scenario applies to this backend[/]",

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from skiplock import __version__
-from skiplock.plumbing.errors import HarnessError, Unhonoured, UsageError
+from skiplock.plumbing.errors import HarnessError, Terminated, Unhonoured, UsageError
 
 # The suite, in the order it runs. Each entry is a scenario of scenarios/specs/.
 SUITE: tuple[str, ...] = (
@@ -119,9 +119,15 @@ class GateSummary:
     results: list[CaseResult] = field(default_factory=list)
     seconds: float = 0.0
     interrupted: bool = False
+    # The case under way when the gate was cut short, reported as an error testcase, and the
+    # exit code the command ends with then (130 Ctrl-C, 143 SIGTERM, 2 bad input, 4 ...).
+    running: tuple[str, int] | None = None
+    stop_code: int = 130
 
     @property
     def exit_code(self) -> int:
+        if self.interrupted:
+            return self.stop_code  # however the finished cases went, the gate did not finish
         if self.results and all(r.not_applicable is not None for r in self.results):
             return 2  # nothing was judged: no case applies to this backend
         codes = {r.exit_code for r in self.results}
@@ -166,6 +172,10 @@ def resolve_scenarios(only: Sequence[str] | None) -> list[str]:
     if not only:
         return list(SUITE)
     names = [name.strip() for item in only for name in item.split(",") if name.strip()]
+    if not names:
+        # `--only "$SCENARIOS"` with the variable unset must not pass a gate that ran nothing.
+        raise UsageError(f"--only names no scenario (got {','.join(only)!r}): give one or more"
+                         f" of {', '.join(SUITE)}, or leave --only out for the whole suite")
     for name in names:
         try:
             resolve_path(name)
@@ -248,29 +258,41 @@ def run_gate(*, backend: str = "pg", sql_path: str | None = None, dsn: str | Non
              out: Path = DEFAULT_OUT, seeds: Sequence[int], scenarios: Sequence[str],
              overrides: Sequence[str] = (),
              report: Callable[[CaseResult], None] | None = None,
+             accepted: Callable[[], None] | None = None,
              html: bool = True) -> GateSummary:
-    """Run every case and write junit.xml and summary.json, also when interrupted."""
+    """Run every case and write junit.xml and summary.json, also when interrupted.
+
+    A gate refused as bad input (a plug-in the gate cannot use) is refused before
+    `accepted` is called (the caller's header) and before any file is written, so no
+    artifact of a refused gate can read as green."""
     summary = GateSummary(backend=backend, sql_path=sql_path, seeds=list(seeds),
                           scenarios=list(scenarios))
     started = time.monotonic()
-    runs = out / "runs"
-    runs.mkdir(parents=True, exist_ok=True)
-    try:
-        with gate_server(dsn) as server:
-            check_backend_on(server, backend, sql_path, backend_options)
+    with gate_server(dsn) as server:
+        check_backend_on(server, backend, sql_path, backend_options)
+        if accepted is not None:
+            accepted()
+        runs = out / "runs"
+        runs.mkdir(parents=True, exist_ok=True)
+        try:
             for scenario, seed in cases(scenarios, seeds):
+                summary.running = (scenario, seed)
                 result = run_case(scenario, seed, server=server, backend=backend,
                                   sql_path=sql_path, out=runs, overrides=overrides,
                                   report=html, backend_options=backend_options)
                 summary.results.append(result)
+                summary.running = None
                 if report is not None:
                     report(result)
-    except KeyboardInterrupt:
-        summary.interrupted = True
-        raise
-    finally:
-        summary.seconds = time.monotonic() - started
-        write_results(out, summary)
+        except BaseException as exc:
+            # Ctrl-C, SIGTERM, or bad input only a run could find: what was judged is kept,
+            # and the JUnit file says the gate did not finish.
+            summary.interrupted = True
+            summary.stop_code = _exit_code_of(exc)
+            raise
+        finally:
+            summary.seconds = time.monotonic() - started
+            write_results(out, summary)
     return summary
 
 
@@ -311,6 +333,8 @@ def junit(summary: GateSummary) -> ET.ElementTree:
     for name, value in (("backend", summary.backend), ("sql", summary.sql_path or ""),
                         ("seeds", ",".join(map(str, summary.seeds)))):
         ET.SubElement(props, "property", {"name": name, "value": value})
+    if summary.interrupted:
+        _cut_case(suite, summary)
     for r in results:
         case = ET.SubElement(suite, "testcase", {
             "classname": f"skiplock.gate.{r.scenario}",
@@ -330,6 +354,28 @@ def junit(summary: GateSummary) -> ET.ElementTree:
         if r.run_dir:
             ET.SubElement(case, "system-out").text = f"run directory: {r.run_dir}"
     return ET.ElementTree(suite)
+
+
+def _exit_code_of(exc: BaseException) -> int:
+    if isinstance(exc, (UsageError, HarnessError, Terminated)):
+        return exc.exit_code
+    return 130 if isinstance(exc, KeyboardInterrupt) else HarnessError.exit_code
+
+
+def _cut_case(suite: ET.Element, summary: GateSummary) -> None:
+    """An interrupted gate's JUnit file must not read as green: one error testcase says which
+    case was cut short, or that the gate stopped before its first case."""
+    scenario, seed = summary.running or ("gate", summary.seeds[0] if summary.seeds else 0)
+    ran = {(r.scenario, r.seed) for r in summary.results}
+    name = f"{scenario}[seed={seed}]" if (scenario, seed) not in ran else "gate[interrupted]"
+    case = ET.SubElement(suite, "testcase", {"classname": f"skiplock.gate.{scenario}",
+                                             "name": name, "time": "0.0"})
+    ET.SubElement(case, "error", {
+        "message": f"the gate stopped (exit {summary.stop_code}) during {name}, after"
+                   f" {len(ran)} finished case(s); it did not judge the rest",
+        "type": "interrupted"})
+    suite.set("tests", str(int(suite.get("tests", "0")) + 1))
+    suite.set("errors", str(int(suite.get("errors", "0")) + 1))
 
 
 def line(result: CaseResult) -> str:

@@ -124,3 +124,53 @@ def test_the_pytest_plugin_gates_a_queue_inside_a_test_suite(tmp_path: Path) -> 
     assert "1 failed, 1 passed" in done.stdout
     assert "FAILED ::skiplock-gate[noisy-neighbour-seed1]" in done.stdout
     assert "re-check: skiplock check" in done.stdout
+
+
+@pytest.mark.parametrize("only", ["", ",", " , "])
+def test_an_only_that_names_no_scenario_is_bad_input(tmp_path: Path, only: str) -> None:
+    # `--only "$SCENARIOS"` with the CI variable unset must not pass a gate that ran nothing.
+    line = one_line_error(skiplock("gate", "--only", only, "--out", tmp_path / "g"))
+    assert "--only names no scenario" in line
+    assert not (tmp_path / "g").exists()
+
+
+def test_a_gate_refused_on_its_server_writes_no_artifact(tmp_path: Path, pg_dsn: str) -> None:
+    # Refused only once a server answers (the plug-in check needs one): still before the
+    # header and before any file, so nothing can read as a passed gate.
+    line = one_line_error(skiplock("gate", "--backend-opt", "a=b", "--only", "noisy-neighbour",
+                                   "--dsn", pg_dsn, "--out", tmp_path / "g"))
+    assert "takes no --backend-opt" in line
+    assert not (tmp_path / "g").exists()
+
+
+def test_an_interrupted_gate_leaves_junit_with_an_error_for_the_cut_case(
+        tmp_path: Path, pg_dsn: str) -> None:
+    import signal
+    import time
+
+    out = tmp_path / "g"
+    gate = subprocess.Popen(
+        [sys.executable, "-m", "skiplock.scenarios.cli", "gate", "--only", "noisy-neighbour",
+         "--seed", "5", "--dsn", pg_dsn, "--out", str(out)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "runs").is_dir() or not any((out / "runs").iterdir()):
+            assert gate.poll() is None and time.monotonic() < deadline, gate.communicate()
+            time.sleep(0.2)
+        time.sleep(2)  # inside the case's load
+        gate.send_signal(signal.SIGTERM)
+        _, stderr = gate.communicate(timeout=60)
+    finally:
+        if gate.poll() is None:
+            gate.kill()
+    assert gate.returncode == 143, stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["exit_code"] == 143 and summary["interrupted"] is True
+    suite = ET.parse(out / "junit.xml").getroot()
+    assert suite.get("errors") == "1" and suite.get("tests") == "1"
+    [case] = suite.iter("testcase")
+    assert case.get("name") == "noisy-neighbour[seed=5]"
+    error = case.find("error")
+    assert error is not None and error.get("type") == "interrupted"
+    assert "exit 143" in (error.get("message") or "")
