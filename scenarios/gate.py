@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator, Sequence
@@ -45,6 +46,9 @@ SUITE: tuple[str, ...] = (
 DEFAULT_OUT = Path("gate")
 # Anomalies a failure message names, with up to this many examples each.
 EXAMPLES_IN_MESSAGE = 2
+# A JUnit failure body (what a CI page unfolds): this many anomalies, examples of each.
+BODY_ANOMALIES = 6
+BODY_EXAMPLES = 3
 
 
 @dataclass(kw_only=True)
@@ -92,6 +96,29 @@ class CaseResult:
             )
             parts.append(f"{kind}={count}" + (f" ({shown})" if shown else ""))
         return "; ".join(parts)
+
+    def headline(self) -> str:
+        """The shortest line that says what broke: counts only, no examples."""
+        if self.exit_code == 1:
+            return ", ".join(f"{k}={v}" for k, v in self.violations().items())
+        return _shortened(self.message(), 100)
+
+    def evidence(self) -> str:
+        """A CI page's failure body: the first examples, then where the whole verdict is."""
+        lines = []
+        for kind, count in list(self.violations().items())[:BODY_ANOMALIES]:
+            lines.append(f"{kind}: {count}")
+            lines += [f"  {e.get('job_id')}: {_shortened(str(e.get('why')), 300)}"
+                      for e in self.examples.get(kind, [])[:BODY_EXAMPLES]]
+        if self.exit_code == 3:
+            lines += [f"unknown: {reason}" for reason in self.unknown_reasons[:BODY_EXAMPLES]]
+        if self.error:
+            lines.append(self.error)
+        if self.run_dir:
+            lines += ["", f"run directory: {self.run_dir}",
+                      f"whole verdict: {Path(self.run_dir) / 'verdict.json'}",
+                      f"re-check: skiplock check {self.run_dir}"]
+        return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -313,7 +340,8 @@ def write_results(out: Path, summary: GateSummary) -> None:
                 + (f", sql {summary.sql_path}" if summary.sql_path else ""),
                 [{"case": f"{r.scenario} seed {r.seed}", "outcome": r.outcome,
                   "seconds": r.seconds,
-                  "message": "" if r.outcome == "pass" else r.message(),
+                  "message": "" if r.outcome == "pass"
+                  else f"{r.message()} (replay: {replay(summary, r)})",
                   "run_dir": r.run_dir} for r in summary.results], out / REPORT_FILE)
 
 
@@ -341,19 +369,35 @@ def junit(summary: GateSummary) -> ET.ElementTree:
             "name": f"{r.scenario}[seed={r.seed}]",
             "time": f"{r.seconds:.1f}",
         })
-        body = json.dumps({"counts": r.counts, "examples": r.examples,
-                           "run_dir": r.run_dir}, indent=1, default=str)
+        # The message is one short line a CI page shows whole; the body the first examples;
+        # the whole verdict stays in the run directory.
+        message = f"{r.headline()}; replay: {replay(summary, r)}"
+        body = r.evidence()
         if r.not_applicable is not None:
             ET.SubElement(case, "skipped", {"message": r.message()})
         elif r.exit_code == 1:
-            ET.SubElement(case, "failure", {"message": r.message(),
+            ET.SubElement(case, "failure", {"message": message,
                                             "type": "guarantee violated"}).text = body
         elif r.exit_code != 0:
             kind = "unknown" if r.exit_code == 3 else "harness failure"
-            ET.SubElement(case, "error", {"message": r.message(), "type": kind}).text = body
+            ET.SubElement(case, "error", {"message": message, "type": kind}).text = body
         if r.run_dir:
             ET.SubElement(case, "system-out").text = f"run directory: {r.run_dir}"
     return ET.ElementTree(suite)
+
+
+def replay(summary: GateSummary, result: CaseResult) -> str:
+    """The command that runs this one case again, as the gate ran it."""
+    words = ["skiplock", "gate", "--only", result.scenario, "--seed", str(result.seed)]
+    if summary.backend != "pg":
+        words += ["--backend", summary.backend]
+    if summary.sql_path:
+        words += ["--sql", summary.sql_path]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _shortened(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _exit_code_of(exc: BaseException) -> int:

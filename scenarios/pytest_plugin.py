@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from skiplock.plumbing.errors import HarnessError, UsageError
 from skiplock.scenarios.gate import CaseResult, GateSummary, line
 
 
@@ -97,7 +98,15 @@ class GateItem(pytest.Item):
             if self.result is not None and self.result.run_dir:
                 text += f"\nre-check: skiplock check {self.result.run_dir}"
             return text
-        return str(super().repr_failure(excinfo))
+        if self.config.getoption("fulltrace"):
+            return str(super().repr_failure(excinfo))
+        # Anything else is skiplock's own failure, not the queue's: one line, as the CLI says
+        # it, instead of pytest's internals (`--full-trace` still shows them).
+        exc = excinfo.value
+        if isinstance(exc, (UsageError, HarnessError)):
+            return f"skiplock: {exc}"
+        return (f"skiplock: harness failure: {type(exc).__name__}: {exc}"
+                " (pytest --full-trace shows the traceback)")
 
     def reportinfo(self) -> tuple[Path, int | None, str]:
         return Path(self.settings["sql"] or "skiplock"), None, self.name
@@ -109,9 +118,16 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     backend = config.getoption("skiplock_backend")
     if sql is None and backend is None:
         return
+    from skiplock.scenarios.cmd_run import check_system_under_test
     from skiplock.scenarios.gate import resolve_scenarios
 
-    scenarios = resolve_scenarios(config.getoption("skiplock_only"))
+    # Bad options are the user's to fix: one line and pytest's usage exit (4), before any
+    # server starts, as `skiplock gate` refuses them with exit 2.
+    try:
+        check_system_under_test(backend or "pg", sql)
+        scenarios = resolve_scenarios(config.getoption("skiplock_only"))
+    except UsageError as exc:
+        raise pytest.UsageError(f"skiplock: {exc}") from None
     base = config.getoption("skiplock_seed")
     if base is None:
         base = random.SystemRandom().randrange(2**31)

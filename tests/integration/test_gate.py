@@ -91,6 +91,12 @@ def test_gate_fails_the_naive_queue_with_junit_naming_the_anomaly(tmp_path: Path
     # Two workers take the same job; accounts go over their limits.
     message = failure.get("message") or ""
     assert "duplicate_unexplained=" in message or "concurrent_delivery=" in message
+    # What a CI page shows: one short line with the replay, a body of examples, not JSON.
+    assert len(message) < 200 and "\n" not in message, message
+    assert message.endswith("replay: skiplock gate --only noisy-neighbour --seed 1"
+                            " --backend pg-naive")
+    body = (failure.text or "").splitlines()
+    assert len(body) < 60 and body[-1].startswith("re-check: skiplock check "), body
     summary = json.loads((out / "summary.json").read_text())
     assert summary["exit_code"] == 1
     assert summary["skiplock_version"] == __version__
@@ -174,3 +180,18 @@ def test_an_interrupted_gate_leaves_junit_with_an_error_for_the_cut_case(
     error = case.find("error")
     assert error is not None and error.get("type") == "interrupted"
     assert "exit 143" in (error.get("message") or "")
+
+
+def test_the_pytest_plugin_refuses_bad_sql_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "broken.sql").write_text("SELECT 1;\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
+         str(tmp_path), "--skiplock-sql", "broken.sql", "--skiplock-only", "noisy-neighbour"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False, env=env,
+    )
+    assert done.returncode == 4, done.stdout[-2000:]  # pytest's usage error, not a failure
+    output = done.stdout + done.stderr
+    assert "ERROR: skiplock: broken.sql: line 1: SQL before the first '-- name: BLOCK'" \
+        in output
+    assert "Traceback" not in output and "CallInfo" not in output

@@ -34,3 +34,24 @@ def test_a_gate_where_nothing_applies_judged_nothing() -> None:
     summary = GateSummary(backend="bullmq", sql_path=None, seeds=[1], scenarios=[],
                           results=[_case("db-faults", not_applicable="x")])
     assert summary.exit_code == 2
+
+
+def test_a_failure_is_one_short_line_with_its_replay_and_a_short_body() -> None:
+    many = {kind: [{"job_id": f"job-{kind}-{i}", "why": "x" * 500} for i in range(40)]
+            for kind in ("duplicate_unexplained", "concurrent_delivery", "limit_exceeded",
+                         "lost", "stale_write", "state_mismatch", "early_retry", "stuck")}
+    case = CaseResult(scenario="noisy-neighbour", seed=7, exit_code=1, valid=False,
+                      seconds=1.0, counts={kind: 40 for kind in many}, examples=many,
+                      run_dir="/tmp/gate/runs/r1")
+    summary = GateSummary(backend="pg-naive", sql_path="db/my queue.sql", seeds=[7],
+                          scenarios=["noisy-neighbour"], results=[case])
+    [failure] = junit(summary).getroot().findall("testcase/failure")
+    message = failure.get("message") or ""
+    assert "\n" not in message and len(message) < 300, message
+    assert message.endswith("replay: skiplock gate --only noisy-neighbour --seed 7"
+                            " --backend pg-naive --sql 'db/my queue.sql'")
+    assert "duplicate_unexplained=40" in message
+    body = (failure.text or "").splitlines()
+    assert len(body) < 60, len(body)
+    assert body[-1] == "re-check: skiplock check /tmp/gate/runs/r1"
+    assert "  job-lost-0: " in "\n".join(body)
