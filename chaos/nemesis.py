@@ -61,6 +61,11 @@ class FaultSkipped(Exception):
     the server is external): recorded as skipped with this reason, never as applied."""
 
 
+# The shortest repeat a schedule may ask for: a fault takes tens of milliseconds to apply and
+# heal, and a tiny interval would plan millions of faults (and run out of memory planning).
+MIN_INTERVAL = 0.1
+
+
 @dataclass(frozen=True, kw_only=True)
 class NemesisSpec:
     """One `[[nemesis]]` entry.
@@ -97,6 +102,9 @@ class NemesisSpec:
             if value < 0:
                 raise NemesisError(f"nemesis {self.kind}: {name} must not be negative "
                                    f"(got {value})")
+        if 0 < self.interval < MIN_INTERVAL:
+            raise NemesisError(f"nemesis {self.kind}: interval must be 0 (once) or at least "
+                               f"{MIN_INTERVAL} s (got {self.interval})")
         if self.probability > 1:
             raise NemesisError(f"nemesis {self.kind}: probability must be between 0 and 1 "
                                f"(got {self.probability})")

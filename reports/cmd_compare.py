@@ -41,47 +41,61 @@ def parse_threshold(text: str) -> float:
     return value
 
 
+def _figure(value: object, *, finite: bool = True) -> float:
+    """A figure as a number; ValueError for anything a result file should not hold there
+    (`true` is not 1.0, NaN is no measurement, a 400-digit number no figure of ours)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{value!r} is not a number")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ValueError(f"{str(value)[:20]}... is too large a number") from None
+    if finite and not math.isfinite(number):
+        raise ValueError(f"{value!r} is not a finite number")
+    return number
+
+
 def _sweep(doc: dict[str, Any]) -> Iterator[Figure]:
     if doc.get("knee_rate") is not None:
-        yield "knee rate (jobs/s)", float(doc["knee_rate"]), True
+        yield "knee rate (jobs/s)", _figure(doc["knee_rate"]), True
     for step in doc.get("steps", []):
-        rate = f"{float(step['rate']):g}/s"
-        yield f"delivered at {rate} (jobs/s)", float(step["delivered_per_second"]), True
+        rate = f"{_figure(step['rate']):g}/s"
+        yield f"delivered at {rate} (jobs/s)", _figure(step["delivered_per_second"]), True
         p99 = step.get("p99_seconds")
-        if p99 is not None and math.isfinite(float(p99)):
-            yield f"p99 at {rate} (s)", float(p99), False
+        if p99 is not None and math.isfinite(_figure(p99, finite=False)):
+            yield f"p99 at {rate} (s)", _figure(p99), False
 
 
 def _e2e(doc: dict[str, Any]) -> Iterator[Figure]:
-    yield "queue only (jobs/s)", float(doc["queue"]["jobs_per_second"]), True
-    yield "end to end (jobs/s)", float(doc["e2e"]["jobs_per_second"]), True
+    yield "queue only (jobs/s)", _figure(doc["queue"]["jobs_per_second"]), True
+    yield "end to end (jobs/s)", _figure(doc["e2e"]["jobs_per_second"]), True
     if doc.get("ratio") is not None:
-        yield "ratio end to end / queue only", float(doc["ratio"]), True
+        yield "ratio end to end / queue only", _figure(doc["ratio"]), True
     if doc["e2e"].get("job_p99_ms") is not None:
-        yield "end to end p99 (ms)", float(doc["e2e"]["job_p99_ms"]), False
+        yield "end to end p99 (ms)", _figure(doc["e2e"]["job_p99_ms"]), False
 
 
 def _queue(doc: dict[str, Any]) -> Iterator[Figure]:
-    yield "PgQueue (jobs/s)", float(doc["queue"]["jobs_per_second"]), True
-    yield "raw SQL ceiling (jobs/s)", float(doc["ceiling"]["jobs_per_second"]), True
+    yield "PgQueue (jobs/s)", _figure(doc["queue"]["jobs_per_second"]), True
+    yield "raw SQL ceiling (jobs/s)", _figure(doc["ceiling"]["jobs_per_second"]), True
     if doc.get("ratio") is not None:
-        yield "ratio queue / ceiling", float(doc["ratio"]), True
+        yield "ratio queue / ceiling", _figure(doc["ratio"]), True
 
 
 def _claim(doc: dict[str, Any]) -> Iterator[Figure]:
     for size in doc["sizes"]:
-        yield f"claim p50 at {int(size['backlog']):,} (ms)", float(size["p50_ms"]), False
+        yield f"claim p50 at {int(size['backlog']):,} (ms)", _figure(size["p50_ms"]), False
 
 
 def _target(doc: dict[str, Any]) -> Iterator[Figure]:
-    yield "requests/s", float(doc["results"]["requests_per_second"]), True
+    yield "requests/s", _figure(doc["results"]["requests_per_second"]), True
     if doc["results"]["latency_ms"].get("p99") is not None:
-        yield "p99 (ms)", float(doc["results"]["latency_ms"]["p99"]), False
+        yield "p99 (ms)", _figure(doc["results"]["latency_ms"]["p99"]), False
 
 
 def _checker(doc: dict[str, Any]) -> Iterator[Figure]:
     for check in ("cold", "warm"):
-        yield f"{check} check (s)", float(doc["seconds"][check]["total_seconds"]), False
+        yield f"{check} check (s)", _figure(doc["seconds"][check]["total_seconds"]), False
 
 
 EXTRACTORS: dict[str, Callable[[dict[str, Any]], Iterator[Figure]]] = {
@@ -97,6 +111,8 @@ def figures(path: Path) -> tuple[str, dict[str, tuple[float, bool]]]:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise UsageError(f"{path}: cannot read a JSON result ({exc})") from None
+    except RecursionError:
+        raise UsageError(f"{path}: cannot read a JSON result (nested too deeply)") from None
     kind = doc.get("benchmark") if isinstance(doc, dict) else None
     extract = EXTRACTORS.get(kind) if isinstance(kind, str) else None
     if extract is None:

@@ -19,6 +19,9 @@ from skiplock.scenarios.cmd_run import backend_options, check_dsn, check_redis_u
 from skiplock.scenarios.gate import DEFAULT_OUT, SUITE, line, resolve_scenarios, run_gate
 from skiplock.scenarios.provision import DSN_ENV, check_reachable
 
+# Each seed is a whole pass over the suite (minutes): more than this is a typo, not a plan.
+MAX_SEEDS = 1000
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="pg",
@@ -58,8 +61,9 @@ def run(args: argparse.Namespace) -> int:
     check_system_under_test(args.backend, args.sql_path)
     check_redis_url(args.backend, None)
     check_dsn(args.dsn)
-    if args.seeds < 1:
-        raise UsageError(f"--seeds must be at least 1 (got {args.seeds})")
+    if not 1 <= args.seeds <= MAX_SEEDS:
+        raise UsageError(f"--seeds must be between 1 and {MAX_SEEDS} (got {args.seeds}); "
+                         "each seed runs every scenario once, about three minutes")
     check_out(args.out)
     scenarios = resolve_scenarios(args.only)
     overrides = list(args.overrides) + (["recovery=false"] if args.no_recovery else [])

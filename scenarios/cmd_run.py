@@ -123,7 +123,7 @@ def resolve(args: argparse.Namespace, scenario: str) -> tuple[ScenarioSpec, int]
         overrides.append("distributed=true")
     try:
         spec = load(scenario, overrides)
-        if args.nemesis:
+        if args.nemesis is not None:  # an empty one is refused, not read as none
             spec = dataclasses.replace(
                 spec, nemesis=(*spec.nemesis, *shortcut(args.nemesis))).validate()
     except (SpecError, NemesisError) as exc:

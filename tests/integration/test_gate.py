@@ -71,8 +71,13 @@ def test_nemesis_entries_are_checked_like_every_key(tmp_path: Path) -> None:
 def test_gate_bad_input(tmp_path: Path) -> None:
     assert "unknown scenario 'nope'" in one_line_error(
         skiplock("gate", "--only", "nope", "--out", tmp_path))
-    assert "--seeds must be at least 1" in one_line_error(
+    assert "--seeds must be between 1 and 1000 (got 0)" in one_line_error(
         skiplock("gate", "--seeds", "0", "--out", tmp_path))
+    # Once ran out of memory making the list of seeds.
+    assert "--seeds must be between 1 and 1000 (got 1000000000000)" in one_line_error(
+        skiplock("gate", "--seeds", "1000000000000", "--out", tmp_path))
+    assert "--nemesis expects KIND" in one_line_error(
+        skiplock("run", "steady", "--nemesis", "", "--out", tmp_path))
     (tmp_path / "file").write_text("")
     assert "is a file" in one_line_error(skiplock("gate", "--out", tmp_path / "file"))
 

@@ -656,7 +656,8 @@ def plausible_documents(draw: st.DrawFn) -> dict[str, Any]:
             kind = draw(st.sampled_from(kinds))
             entry: dict[str, Any] = {"kind": kind, "at": draw(st.floats(0, duration / 2)),
                                      "external": "skip"}
-            for key, strategy in (("interval", _seconds(0, 5)), ("duration", _seconds(0, 5)),
+            interval = st.one_of(st.just(0.0), _seconds(0.1, 5))  # 0: once; else >= 0.1 s
+            for key, strategy in (("interval", interval), ("duration", _seconds(0, 5)),
                                   ("count", st.integers(1, 3)),
                                   ("probability", _seconds(0, 1))):
                 if draw(st.booleans()):

@@ -98,3 +98,26 @@ def test_sweep_results_compare_the_knee_and_each_common_step(tmp_path: Path) -> 
     base = write(tmp_path / "a.json", sweep(200, 200))
     assert cli.main(["compare", base, write(tmp_path / "b.json", sweep(200, 195))]) == 0
     assert cli.main(["compare", base, write(tmp_path / "c.json", sweep(100, 150))]) == 1
+
+
+@pytest.mark.parametrize(("figure", "why"), [
+    ("NaN", "not a finite number"),
+    ("true", "not a number"),
+    ('"2400"', "not a number"),
+    ("1" + "0" * 400, "too large a number"),
+])
+def test_a_figure_that_is_no_measurement_is_bad_input(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], figure: str, why: str) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(E2E).replace("2400.0", figure))
+    assert cli.main(["compare", write(tmp_path / "a.json", E2E), str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert why in err and err.count("\n") == 1
+
+
+def test_deeply_nested_json_is_bad_input(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "deep.json"
+    bad.write_text("[" * 100_000 + "]" * 100_000)
+    assert cli.main(["compare", write(tmp_path / "a.json", E2E), str(bad)]) == 2
+    assert "nested too deeply" in capsys.readouterr().err

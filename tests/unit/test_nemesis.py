@@ -60,6 +60,8 @@ def test_failpoint_windows_always_fire_and_carry_their_probability() -> None:
     ({"kind": "kill_worker", "when": 1}, "unknown key 'when'"),
     ({"kind": "kill_worker", "at": -1}, "at must not be negative"),
     ({"kind": "kill_worker", "at": float("nan")}, "at must be a finite number"),
+    # A tiny interval once planned faults until the harness ran out of memory.
+    ({"kind": "kill_worker", "interval": 1e-300}, r"interval must be 0 \(once\) or at least 0.1"),
     ({"kind": "kill_worker", "count": 0}, "count must be a positive whole number"),
     ({"kind": "kill_worker", "count": 1.5}, "count must be a whole number"),
     ({"kind": "kill_worker", "probability": 2}, "probability must be between 0 and 1"),
