@@ -108,7 +108,7 @@ class RunBuilder:
         # What the queue declared (spec.json `guarantees`); None: not recorded.
         self.guarantees = dict(guarantees) if guarantees is not None else None
         self.run_info: dict[str, Any] = {
-            "started": 1000.0,
+            "started": 0.0,  # the load starts at 0: times in sentences read as written
             "finished": 2000.0,
             "drained": drained,
             "drain_seconds": 1.0,

@@ -325,7 +325,10 @@ def print_verdict(console: Console, verdict: object, run_dir: Path) -> None:
                       soft_wrap=True)
     for kind, items in examples.items():
         for item in items[:3]:
-            console.print(f"  {kind}: {json.dumps(item, default=str)}")
+            # As `skiplock check` says it: the job and the sentence (its evidence, with raw
+            # epoch times, stays in verdict.json).
+            console.print(f"  {kind}: {item.get('job_id')}: {item.get('why')}", markup=False,
+                          highlight=False, soft_wrap=True)
     # Why the answer is unknown, as `skiplock check` prints it: exit 3 says so, not why.
     for reason in getattr(verdict, "unknown_reasons", ()):
         console.print(f"  unknown: {reason}", markup=False, highlight=False, soft_wrap=True)

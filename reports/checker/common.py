@@ -3,7 +3,10 @@ shown."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +36,26 @@ def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     return [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
 
 
+# Where the times a person reads count from: the load's start (epoch seconds), set while a
+# history is judged. Evidence keeps epoch seconds; only the sentences said from it change.
+_TIME_ORIGIN: ContextVar[float | None] = ContextVar("time_origin", default=None)
+
+
+@contextlib.contextmanager
+def times_from(origin: float | None) -> Iterator[None]:
+    """Say every time in seconds since `origin` (the load's start) while judging."""
+    token = _TIME_ORIGIN.set(origin)
+    try:
+        yield
+    finally:
+        _TIME_ORIGIN.reset(token)
+
+
 def fmt(seconds: float) -> str:
-    return f"{seconds:.3f}"
+    """A moment as a person reads it: seconds since the load started, as on every plot and
+    job story (raw epoch seconds only where a history says nothing of its start)."""
+    origin = _TIME_ORIGIN.get()
+    return f"{seconds:.3f}" if origin is None else f"{seconds - origin:.3f} s"
 
 
 def attempt_label(value: Any) -> str:

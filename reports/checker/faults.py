@@ -31,4 +31,4 @@ def fault_end(fault: dict[str, Any]) -> float:
 
 def fault_span(fault: dict[str, Any]) -> str:
     start, end = float(fault["start"]), fault_end(fault)
-    return fmt(start) + ("" if end == start else "-" + fmt(end))
+    return fmt(start) + ("" if end == start else " to " + fmt(end))

@@ -5,13 +5,21 @@ what the history cannot decide (unknown reasons) and the run's descriptive detai
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from skiplock.reports.checker.anomalies import ANOMALIES, Anomaly
-from skiplock.reports.checker.common import MAX_EXAMPLES, Example, attempt_label, fmt, records
+from skiplock.reports.checker.common import (
+    MAX_EXAMPLES,
+    Example,
+    attempt_label,
+    fmt,
+    records,
+    times_from,
+)
 from skiplock.reports.checker.explained import Explained
 from skiplock.reports.checker.frame import Frame, build
 from skiplock.reports.checker.load import History
@@ -29,6 +37,19 @@ class Findings:
 
 
 def judge(h: History, tolerance: float) -> Findings:
+    with times_from(h.config.time_origin):
+        found = _judge(h, tolerance)
+    if h.config.time_origin is not None:
+        started = datetime.fromtimestamp(h.config.time_origin, UTC)
+        found.details["times"] = {
+            "load_started": started.isoformat(timespec="milliseconds"),
+            "load_started_epoch": h.config.time_origin,
+            "examples_say": "seconds since the load started, as the report's plots count",
+        }
+    return found
+
+
+def _judge(h: History, tolerance: float) -> Findings:
     frame = build(h, tolerance)
     explained = Explained(frame)
     found = Findings(counts=_descriptive_counts(frame), examples={})

@@ -661,6 +661,9 @@ class RunConfig:
     backend: str = ""
     # What the queue promises (spec.json `guarantees`; the reference's when not recorded).
     guarantees: Guarantees = REFERENCE_GUARANTEES
+    # When the load started (epoch seconds): the warm-up's start in spec.json, else run.json
+    # `started`; the origin of every time the verdict says. None when neither is recorded.
+    time_origin: float | None = None
 
 
 def _durability(raw: dict[str, Any], spec: dict[str, Any], path: Path) -> bool | None:
@@ -746,7 +749,23 @@ def _run_config(path: Path, spec: dict[str, Any] | None = None) -> RunConfig:
         durable=_durability(raw, spec or {}, path),
         backend=raw["backend"] if isinstance(raw.get("backend"), str) else "",
         guarantees=_guarantees(spec or {}, path),
+        time_origin=_time_origin(raw, spec or {}),
     )
+
+
+def _time_origin(raw: dict[str, Any], spec: dict[str, Any]) -> float | None:
+    """The load's start, as the report's time axis counts it (`report_data.RunData.t0`)."""
+    phases = spec.get("phases")
+    for phase in phases if isinstance(phases, list) else []:
+        if isinstance(phase, dict) and phase.get("name") == "warmup" and _finite(
+                phase.get("start")):
+            return float(phase["start"])
+    return float(raw["started"]) if _finite(raw.get("started")) else None
+
+
+def _finite(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 def _guarantees(spec: dict[str, Any], path: Path) -> Guarantees:

@@ -245,7 +245,7 @@ def test_duplicate_explained_by_failpoint_naming_the_job(tmp_path: Path) -> None
     verdict = check(b, tmp_path)
     assert anomalies(verdict) == {"duplicate_explained": 1}
     assert whys(verdict, "duplicate_explained") == [
-        "failpoint crash_after_http fired in worker-0 at 100.020 for attempt 1"]
+        "failpoint crash_after_http fired in worker-0 at 100.020 s for attempt 1"]
 
 
 def test_duplicate_explained_by_failpoint_of_a_batch_mate(tmp_path: Path) -> None:
@@ -257,7 +257,7 @@ def test_duplicate_explained_by_failpoint_of_a_batch_mate(tmp_path: Path) -> Non
     verdict = check(b, tmp_path)
     assert anomalies(verdict) == {"duplicate_explained": 1}
     assert whys(verdict, "duplicate_explained")[0].startswith(
-        "failpoint crash_after_claim ended worker-0 at 100.050")
+        "failpoint crash_after_claim ended worker-0 at 100.050 s")
 
 
 def test_duplicate_explained_by_lost_write_connection(tmp_path: Path) -> None:
@@ -374,8 +374,8 @@ def test_duplicate_unexplained(tmp_path: Path) -> None:
     assert verdict.valid is False
     assert anomalies(verdict) == {"duplicate_unexplained": 1}
     assert whys(verdict, "duplicate_unexplained") == [
-        "2xx delivered again at 110.501 (attempt 2 by worker-1) after attempt 1 by worker-0 "
-        "succeeded at 100.001; nothing recorded explains it"]
+        "2xx delivered again at 110.501 s (attempt 2 by worker-1) after attempt 1 by worker-0 "
+        "succeeded at 100.001 s; nothing recorded explains it"]
 
 
 def test_concurrent_deliveries_of_a_double_claim(tmp_path: Path) -> None:
@@ -388,7 +388,7 @@ def test_concurrent_deliveries_of_a_double_claim(tmp_path: Path) -> None:
     verdict = check(b, tmp_path)
     assert anomalies(verdict) == {"concurrent_delivery": 1, "duplicate_unexplained": 1}
     assert whys(verdict, "concurrent_delivery") == [
-        "delivery at 100.101 (attempt 1) while attempt 1 from 100.001 was still in flight "
+        "delivery at 100.101 s (attempt 1) while attempt 1 from 100.001 s was still in flight "
         "with its lease held"]
 
 
@@ -443,7 +443,7 @@ def test_attempts_exceeded(tmp_path: Path) -> None:
     assert said(verdict, "attempts_exceeded") == [
         {"job_id": "over", "why": "3 deliveries (0 explained by faults) for max_attempts 2"},
         {"job_id": "again",
-         "why": "delivered again at 101.001 after attempt 1 failed permanently (status 400)"},
+         "why": "delivered again at 101.001 s after attempt 1 failed permanently (status 400)"},
     ]
 
 
@@ -512,7 +512,7 @@ def test_early_retry(tmp_path: Path) -> None:
     verdict = check(b, tmp_path)
     assert anomalies(verdict) == {"early_retry": 1}
     assert whys(verdict, "early_retry") == [
-        "retry at 100.101 came 0.090s after attempt 1 failed; the backoff allows no less "
+        "retry at 100.101 s came 0.090s after attempt 1 failed; the backoff allows no less "
         "than 0.500s"]
 
 
@@ -564,7 +564,7 @@ def test_limit_exceeded(tmp_path: Path) -> None:
     verdict = check(b, tmp_path)
     assert anomalies(verdict) == {"limit_exceeded": 1}
     assert said(verdict, "limit_exceeded") == [
-        {"job_id": "b", "why": "account acct-0 had 2 deliveries in flight at 100.101, limit 1"}]
+        {"job_id": "b", "why": "account acct-0 had 2 deliveries in flight at 100.101 s, limit 1"}]
 
 
 def test_abandoned_delivery_frees_its_slot(tmp_path: Path) -> None:
@@ -691,8 +691,8 @@ def test_stale_write(tmp_path: Path) -> None:
     verdict = check(b, tmp_path)
     assert anomalies(verdict) == {"stale_write": 1, "duplicate_explained": 1}
     assert whys(verdict, "stale_write") == [
-        "worker-0 applied its result for attempt 1 at 115.100, after worker-1 claimed "
-        "attempt 2 at 111.000"]
+        "worker-0 applied its result for attempt 1 at 115.100 s, after worker-1 claimed "
+        "attempt 2 at 111.000 s"]
     assert "pause_worker on worker-0" in whys(verdict, "duplicate_explained")[0]
 
 
@@ -1161,7 +1161,7 @@ def test_completed_on_a_late_2xx_is_explained_by_a_paused_worker(tmp_path: Path)
 )
 def test_fault_after_the_applied_write_explains_nothing(tmp_path: Path, fault: str,
                                                         target: str | None) -> None:
-    """Attempt 1's success was applied at 100.014; a fault at 150 s cannot be why the job
+    """Attempt 1's success was applied at 100.014 s; a fault at 150 s cannot be why the job
     ran again at 200 s."""
     b = RunBuilder()
     b.enqueue(JOB, script=SUCCEED)
@@ -1216,7 +1216,7 @@ def test_restart_after_the_applied_write_explains_only_on_a_server_that_is_not_d
     assert anomalies(verdict) == {expected: 1}
     if expected == "duplicate_explained":
         assert whys(verdict, expected) == [
-            "restart_postgres of a server that is not durable at 150.000-152.000 after the "
+            "restart_postgres of a server that is not durable at 150.000 s to 152.000 s after the "
             "result of attempt 1 was applied"]
 
 
@@ -1306,7 +1306,7 @@ def test_job_absent_from_a_whole_snapshot_is_a_state_mismatch(tmp_path: Path) ->
 @pytest.mark.parametrize(("started", "stale"), [(100.015, False), (100.5, True), (None, True)])
 def test_stale_write_compares_claims_with_when_the_write_was_sent(
         tmp_path: Path, started: float | None, stale: bool) -> None:
-    """worker-0's 503 result was sent at 100.015 and applied; the event was logged at 101 s
+    """worker-0's 503 result was sent at 100.015 s and applied; the event was logged at 101 s
     (the worker stalled after the commit). worker-1's claim of the retry at 100.2 came after
     the write was sent: no stale write. Sent at 100.5 (or not recorded), it is one."""
     b = RunBuilder(retry_base_seconds=0.1)
@@ -1347,7 +1347,7 @@ def test_call_made_after_its_lease_ran_out_holds_no_slot(tmp_path: Path) -> None
     assert anomalies(verdict) == {"duplicate_explained": 1}
     assert verdict.details["limit_excused"] == {"count": 1, "examples": [{
         "job_id": "a",
-        "why": "delivered at 115.010, after the lease of attempt 1 had run out: it held no "
+        "why": "delivered at 115.010 s, after the lease of attempt 1 had run out: it held no "
                "slot"}]}
 
 
@@ -1367,7 +1367,7 @@ def test_request_without_a_job_id_is_unexpected(tmp_path: Path, blank_line: bool
     verdict = check_run([run_dir])
     assert anomalies(verdict) == {"unexpected": 1}
     assert said(verdict, "unexpected") == [
-        {"job_id": "", "why": "a request without a job id header at 101.000 (target target-0)"}]
+        {"job_id": "", "why": "a request without a job id header at 101.000 s (target target-0)"}]
 
 
 def test_enqueues_of_every_directory_are_merged(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ example carries its evidence as data; a rule that breaks makes only its own answ
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from skiplock.reports.checker import ANOMALIES, COUNT_KEYS, MEANINGS, VIOLATION_KEYS, check_run
-from skiplock.reports.checker.common import Example
+from skiplock.reports.checker.common import Example, times_from
 from skiplock.reports.synthetic import RunBuilder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,9 +54,12 @@ def test_an_example_carries_its_evidence_as_data(tmp_path: Path) -> None:
     assert evidence["failed_attempt"] == 1
     assert evidence["received"] == pytest.approx(100.101)
     assert evidence["least_delay"] == pytest.approx(0.5)
-    # The sentence is said from the evidence, not the other way round.
+    # The sentence is said from the evidence, not the other way round, its times counted
+    # from the load's start (0 in a synthetic history).
     module = importlib.import_module("skiplock.reports.checker.anomalies.early_retry")
-    assert module.say(Example("job-1", example["case"], evidence)) == example["why"]
+    with times_from(0.0):
+        assert module.say(Example("job-1", example["case"], evidence)) == example["why"]
+    assert example["why"].startswith("retry at 100.101 s came")
 
 
 def test_a_rule_that_breaks_makes_its_own_answer_unknown(
@@ -89,3 +93,27 @@ def test_a_rule_that_breaks_makes_its_own_answer_unknown(
     alone = check_run([good.write(tmp_path / "good")])
     assert alone.valid == "unknown"
     assert alone.exit_code == 3
+
+
+@pytest.mark.parametrize(("run_started", "warmup_start", "said", "iso"), [
+    (90.0, None, "retry at 10.101 s came", "1970-01-01T00:01:30.000+00:00"),
+    # The warm-up's start is where the report's plots count from: it wins over run.json's.
+    (90.0, 99.5, "retry at 0.601 s came", "1970-01-01T00:01:39.500+00:00"),
+])
+def test_times_a_person_reads_count_from_the_load_start(
+        tmp_path: Path, run_started: float, warmup_start: float | None, said: str,
+        iso: str) -> None:
+    run_dir = early_retry_history(tmp_path)
+    run = json.loads((run_dir / "run.json").read_text())
+    run["started"] = run_started
+    (run_dir / "run.json").write_text(json.dumps(run))
+    if warmup_start is not None:
+        spec = json.loads((run_dir / "spec.json").read_text())
+        spec["phases"] = [{"name": "setup", "start": 80.0, "end": warmup_start},
+                          {"name": "warmup", "start": warmup_start, "end": 101.0}]
+        (run_dir / "spec.json").write_text(json.dumps(spec))
+    verdict = check_run([run_dir])
+    [example] = verdict.examples["early_retry"]
+    assert example["why"].startswith(said)
+    assert example["evidence"]["received"] == pytest.approx(100.101)  # data stays epoch
+    assert verdict.details["times"]["load_started"] == iso

@@ -65,7 +65,7 @@ def test_recovery_that_never_succeeded_is_unknown(tmp_path: Path) -> None:
     [reason] = verdict.unknown_reasons
     assert reason.startswith("recovery failed 14 times in 2 workers and never succeeded")
     assert "expired leases were ever recovered" in reason
-    assert reason.endswith(f"worker-0 at 100.500: {DIVISION}")
+    assert reason.endswith(f"worker-0 at 100.500 s: {DIVISION}")
     assert verdict.details["failed_calls"] == {"recover": 14}
 
 
@@ -131,7 +131,7 @@ def test_claims_that_failed_in_every_worker_and_never_succeeded_are_named(
     claims = [r for r in verdict.unknown_reasons if r.startswith("claims failed")]
     assert claims == [f"claims failed 10 times in 2 workers and never succeeded (the history "
                       f"cannot show that any job was claimed); first error, worker-0 at "
-                      f"100.000: {broken}"]
+                      f"100.000 s: {broken}"]
 
 
 def test_claims_failing_in_one_worker_only_are_not_a_reason(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from skiplock.reports.checker.common import Example, attempt_number, shown
+from skiplock.reports.checker.common import Example, attempt_number, fmt, shown
 from skiplock.reports.checker.explained import Explained
 from skiplock.reports.checker.frame import Frame
 
@@ -47,6 +47,6 @@ def find(f: Frame, e: Explained) -> Iterator[Example]:
 def say(x: Example) -> str:
     v = x.evidence
     gap = v["received"] - v["failed_at"]
-    return (f"retry at {v['received']:.3f} came {gap:.3f}s after attempt "
+    return (f"retry at {fmt(v['received'])} came {gap:.3f}s after attempt "
             f"{shown(v['failed_attempt'])} failed; the backoff allows no less than "
             f"{v['least_delay']:.3f}s")
