@@ -3,6 +3,7 @@ so the suite runs on a fresh machine (embedded server) as well as against a give
 
 from __future__ import annotations
 
+import signal
 import uuid
 from collections.abc import Iterator
 
@@ -63,3 +64,16 @@ def embedded_redis_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     left = subprocess.run(["pgrep", "-f", provision_redis.DATA_PREFIX], capture_output=True,
                           text=True, check=False)
     assert left.stdout.strip() == "", left.stdout
+
+
+@pytest.fixture
+def ctrl_c_as_in_a_terminal() -> Iterator[None]:
+    """SIGINT handled as an interactive shell leaves it, for tests that send Ctrl-C to the
+    commands they start. A suite started from a background job or under nohup inherits
+    SIGINT ignored, and every command it started would too (an ignored signal stays ignored
+    across exec); a handler of our own is reset to the default by exec instead."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -38,7 +38,7 @@ from skiplock.reports.history import (
 )
 from skiplock.scenarios.workers import WorkerPool
 
-pytestmark = pytest.mark.chaos
+pytestmark = [pytest.mark.chaos, pytest.mark.usefixtures("ctrl_c_as_in_a_terminal")]
 
 T = TypeVar("T")
 
