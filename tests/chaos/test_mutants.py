@@ -11,7 +11,7 @@ this mutant only (a shorter drain where the bug shows during the load and its jo
 end).
 
 The seed is fixed for a reproducible suite (SKIPLOCK_TEST_SEED overrides it); the reference
-is held to every seed by the gate's own sweeps, which the README reports.
+is held to every seed by the gate's own sweeps, which tests/mutants/README.md reports.
 """
 
 from __future__ import annotations

@@ -1140,7 +1140,7 @@ def test_scenario_files_are_refused_in_one_line_or_reach_only_the_closed_port(
 # Damaged run directories for `check`.
 # --------------------------------------------------------------------------------------------
 
-# The README's table of what a cut log may hide (`skiplock check`, "not reported").
+# The table of what a cut log may hide (docs/reference/anomalies.md, "A history cut off").
 VIOLATIONS = ("lost", "unexpected", "duplicate_unexplained", "concurrent_delivery",
               "attempts_exceeded", "early_retry", "limit_exceeded", "stuck", "state_mismatch",
               "stale_write")
@@ -1397,7 +1397,7 @@ def damages(draw: st.DrawFn, run_dir: Path) -> list[Damage]:
 
 
 def _log_group(rel: Path) -> str | None:
-    """The README's name for the log a file belongs to, or None if it is not a log."""
+    """The name docs/reference/anomalies.md gives the log a file belongs to, or None."""
     if rel.parts[0] in ("deliveries", "workers") and rel.suffix == ".csv":
         return rel.parts[0]
     if str(rel) in ("enqueues.csv", "final_jobs.csv", "nemesis.jsonl"):
@@ -1504,8 +1504,8 @@ def test_damaged_histories_never_pass_for_whole_or_crash(
                 hidden = reported & NOT_REPORTED_WHEN_CUT[log]
                 assert not hidden, f"{log} was cut, yet {hidden} were reported"
             # A worker's log deleted lost all it held, as a log cut at its start: only what
-            # the other records prove alone may be reported (README: a stuck job, a stale
-            # write).
+            # the other records prove alone may be reported (docs/reference/anomalies.md: a
+            # stuck job, a stale write).
             for gone in deleted_logs:
                 log = _log_group(Path(gone.file)) or ""
                 hidden = reported & NOT_REPORTED_WHEN_CUT[log]
