@@ -87,8 +87,8 @@ def load_factory(name: str) -> Factory:
     module_name, attr = match.group("module"), match.group("attr")
     moved = _moved_under_skiplock(module_name)
     if moved is not None:
-        raise ValueError(f"backend {name!r}: skiplock's modules live under skiplock. now; "
-                         f"use --backend {moved}:{attr}")
+        raise ValueError(f"backend {name!r}: since 0.2.0 skiplock's modules are under the "
+                         f"skiplock package; use --backend {moved}:{attr}")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import-time failure is the user's module, reported as such

@@ -87,7 +87,7 @@ scenarios:
 {{scenarios}}
   or a path to a .toml scenario file.
 
---set KEY=VALUE keys (meanings: README, "Scenario files"):
+--set KEY=VALUE keys (meanings: docs/reference/scenario-files.md):
 {{keys}}
 
 examples:

@@ -44,7 +44,7 @@ DEMO_DEFAULTS = [
     "mix.slow=0.1",
 ]
 
-# What each script does, in the words of a description (the README's scripts).
+# What each script does, in the words of a description (docs/reference/scenario-files.md).
 _SCRIPT_TEXT: dict[str, Callable[[ScenarioSpec], str]] = {
     "succeed": lambda s: "",
     "fail_then_succeed": lambda s: f"{s.fail_status} x{s.fail_times}, then 200",

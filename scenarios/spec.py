@@ -37,7 +37,7 @@ class SpecError(ValueError):
     """A scenario that cannot run as written: one line that says what to fix."""
 
 
-# Script names a mix may use, and what each means (the `scenarios` table in the README).
+# Script names a mix may use, and what each means (docs/reference/scenario-files.md).
 SCRIPT_NAMES: tuple[str, ...] = (
     "succeed",
     "fail_then_succeed",
@@ -83,7 +83,7 @@ class ScenarioSpec:
     recovery: bool = True
     recovery_interval: float = 0.5
     renew_leases: bool = True
-    # Refill freed slots while other calls run; false: the batch barrier (see the README).
+    # Refill freed slots while other calls run; false: the batch barrier (docs/reference/cli.md).
     refill: bool = True
     unsafe_timing: bool = False
     # Retry policy and the oracle's max_attempts.
