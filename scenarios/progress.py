@@ -430,9 +430,10 @@ def _table(sample: Sample, title: str) -> Table:
     raw = sample.unexpected + sample.over_attempts + sample.over_limit
     anomalies = (
         f"unexpected {sample.unexpected}, over max_attempts {sample.over_attempts},"
-        f" over account limit {sample.over_limit}"
+        f" in flight over an account's limit {sample.over_limit}"
     )
-    rows.append(("anomalies so far (raw)", Text(anomalies, style="yellow") if raw else anomalies))
+    rows.append(("raw signals so far (the checker judges them after the run)",
+                 Text(anomalies, style="yellow") if raw else anomalies))
     for label, value in rows:
         table.add_row(label, value)
     return table
@@ -470,11 +471,14 @@ def print_line(console: Console) -> Observer:
     def observe(sample: Sample) -> None:
         console.print(
             f"{escape(f'[{sample.phase:>6}]')} {sample.elapsed:5.1f}s enq={sample.enqueued}"
-            f" ({sample.rate:.0f}/s) delivered={sample.delivered_ok}"
+            f" ({sample.rate:.0f}/s) answered_2xx={sample.delivered_ok}"
             f" done={sample.completed} failed={sample.failed} in_flight={sample.in_flight}"
             f" queued={sample.queue_depth} repeat_2xx={sample.duplicates}"
-            f" unexpected={sample.unexpected} over_attempts={sample.over_attempts}"
-            f" over_limit={sample.over_limit}",
+            # Raw signals from the target's log, not the verdict's counts: the checker judges
+            # them after the run (a re-delivery after an expired lease holds no slot, say).
+            f" | raw, judged after the run: unexpected={sample.unexpected}"
+            f" over_max_attempts={sample.over_attempts}"
+            f" in_flight_over_limit={sample.over_limit}",
             highlight=False,
             soft_wrap=True,
         )

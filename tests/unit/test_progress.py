@@ -42,7 +42,7 @@ def test_sampler_counts_what_the_target_log_already_shows(tmp_path: Path) -> Non
     assert sample.delivered == 5 and sample.enqueued == 2
 
     values = [str(v) for v in _table(sample, "t").columns[1].cells]
-    assert "unexpected 1, over max_attempts 1, over account limit 1" in values
+    assert "unexpected 1, over max_attempts 1, in flight over an account's limit 1" in values
 
 
 def test_a_clean_history_shows_no_anomaly(tmp_path: Path) -> None:
