@@ -213,8 +213,10 @@ def _settings_html(run: RunData) -> str:
         ("backend", spec.get("backend", "?")),
         ("seed", spec.get("seed", "?")),
         ("replay", spec.get("replay") or "(not recorded by this version)"),
-        ("durability", "durable (fsync, synchronous_commit on)" if durable is True else
-         "UNSAFE: fsync or synchronous_commit off" if durable is False else "not recorded"),
+        ("PostgreSQL durability", "durable (fsync, synchronous_commit on)" if durable is True
+         else "UNSAFE: fsync or synchronous_commit off" if durable is False
+         else "not recorded"),
+        *_redis_rows(spec),
         ("PostgreSQL", f"{harness.get('server_version', postgres.get('server_version_num', '?'))}"
                        f" ({harness.get('kind', '?')})"),
         ("workers / batch / rate", f"{scenario.get('workers', '?')} / "
@@ -227,7 +229,8 @@ def _settings_html(run: RunData) -> str:
                     f"{machine.get('release', '')}"),
         ("Python / packages", f"{(spec.get('python') or {}).get('version', spec.get('python'))}"
                               f"; " + ", ".join(f"{k} {v}" for k, v in
-                                                (spec.get("packages") or {}).items())),
+                                                (spec.get("packages") or {}).items()
+                                                if v is not None)),
         ("git", f"{git.get('sha', '?')}{' (uncommitted changes)' if git.get('dirty') else ''}"),
         ("ended", (run.run or {}).get("exit_reason", "?")),
     ]
@@ -235,6 +238,26 @@ def _settings_html(run: RunData) -> str:
     full = _e(json.dumps(spec, indent=2, sort_keys=True, default=str))
     return (f"<h2>Settings, versions and how to replay</h2><table>{body}</table>"
             f"<details><summary>spec.json in full</summary><pre>{full}</pre></details>")
+
+
+def _redis_rows(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """A run on Redis (BullMQ) says that store's durability and versions beside PostgreSQL's:
+    a comparison that hid them would compare a durable queue with one that is not."""
+    redis = spec.get("redis")
+    if not isinstance(redis, dict):
+        return []
+    harness = redis.get("harness") or {}
+    durable = harness.get("durable")
+    policy = (f"appendonly {harness.get('appendonly', '?')}, appendfsync "
+              f"{harness.get('appendfsync', '?')}, data on {harness.get('data_filesystem', '?')}")
+    verdict = ("durable" if durable is True else "NOT durable: an acknowledged job can be lost"
+               if durable is False else "not recorded")
+    packages = spec.get("packages") or {}
+    clients = ", ".join(f"{name} {packages[name]}" for name in ("bullmq", "redis")
+                        if packages.get(name))
+    return [("Redis durability", f"{verdict} ({policy})"),
+            ("Redis", f"{harness.get('redis_version', '?')} ({redis.get('kind', '?')})"
+                      + (f"; {clients}" if clients else ""))]
 
 
 def _outcomes_html(run: RunData) -> str:

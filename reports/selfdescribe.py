@@ -31,6 +31,11 @@ PACKAGES = (
     "numpy",
     "pyarrow",
     "pgserver",
+    # The queues measured beside the reference, and their clients (None: not installed).
+    "bullmq",
+    "redis",
+    "pgqueuer",
+    "asyncpg",
 )
 
 # Settings that change what a run measures or whether a crash can lose commits.

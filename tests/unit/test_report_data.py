@@ -20,6 +20,7 @@ from skiplock.reports.history import (
     HistoryError,
     LogWriter,
 )
+from skiplock.reports.report import render
 from skiplock.reports.report_data import (
     bin_seconds,
     load_run,
@@ -102,3 +103,25 @@ def test_percentiles_per_bin() -> None:
 @pytest.mark.parametrize("span, width", [(10, 0.5), (100, 1.0), (1_000, 10.0), (50_000, 600.0)])
 def test_bins_keep_a_plot_readable(span: float, width: float) -> None:
     assert bin_seconds(span) == width
+
+
+@pytest.mark.parametrize(("harness", "said"), [
+    ({"redis_version": "7.2.4", "appendonly": "yes", "appendfsync": "always",
+      "data_filesystem": "ext4", "durable": True},
+     "durable (appendonly yes, appendfsync always, data on ext4)"),
+    ({"redis_version": "7.2.4", "appendonly": "no", "appendfsync": "everysec",
+      "data_filesystem": "tmpfs", "durable": False}, "NOT durable"),
+])
+def test_a_redis_run_reports_redis_durability_and_versions(
+        tmp_path: Path, harness: dict[str, object], said: str) -> None:
+    run = _run_dir(tmp_path)
+    spec = json.loads((run / SPEC_FILE).read_text())
+    spec.update(backend="bullmq", postgres={"harness": {"durable": True}},
+                redis={"kind": "embedded", "harness": harness},
+                packages={"bullmq": "2.25.4", "redis": "5.2.1", "pgqueuer": None})
+    (run / SPEC_FILE).write_text(json.dumps(spec))
+    page = render([load_run(run)])
+    assert "<th>Redis durability</th><td>" + said in page.replace("&#x27;", "'")
+    assert "<th>Redis</th><td>7.2.4 (embedded); bullmq 2.25.4, redis 5.2.1</td>" in page
+    assert "<th>PostgreSQL durability</th><td>durable" in page
+    assert "pgqueuer None" not in page
