@@ -49,6 +49,12 @@ from skiplock.scenarios.provision import postgres
 
 DEFAULT_SIZES = "10k,100k,1m,10m"
 MAX_SIZE = 100_000_000
+# Above this many jobs a run takes long enough and writes enough that it must be asked for.
+CONFIRM_ABOVE = 10_000_000
+# What one job costs a whole run, measured on a 2-core machine with local PostgreSQL 15
+# (2026-12-03): the default sizes took 10 min (up to 10M jobs); 100k jobs took 51 MB.
+SECONDS_PER_JOB = 60e-6
+BYTES_PER_JOB = 450
 _SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?)(?P<unit>[km]?)", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1_000, "m": 1_000_000}
 # How each variant is drawn, the same in every plot.
@@ -74,6 +80,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "reference's tables")
     parser.add_argument("--dsn", default=None,
                         help="PostgreSQL DSN (default: SKIPLOCK_PG_DSN, Docker, embedded)")
+    parser.add_argument("--yes", action="store_true",
+                        help=f"run sizes above {CONFIRM_ABOVE:,} jobs (hours and tens of GB;"
+                             " the estimate is printed first)")
     parser.add_argument("--out", type=Path, default=Path("plans-results"),
                         help="directory for plans.json, plans.csv and plans.png "
                              "(default ./plans-results)")
@@ -97,6 +106,34 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def _check_sql(dsn: str, sql_path: str) -> None:
+    """Have the server prepare every block of the user's SQL, on a schema of its own, before
+    anything is filled: a syntax error there is bad input (exit 2, one line naming the file
+    and block), not a harness failure minutes into a fill."""
+    import secrets
+
+    import psycopg
+    from psycopg import sql
+
+    from skiplock.queue_impl.interface import StatementError
+    from skiplock.queue_impl.pg import PgQueue
+    from skiplock.queue_impl.plugins import BackendSpec
+
+    schema = f"skiplock_check_{secrets.token_hex(4)}"
+    queue = BackendSpec(name="pg", dsn=dsn, schema=schema, sql_path=sql_path).create()
+    assert isinstance(queue, PgQueue)
+    try:
+        queue.setup()
+        queue.check_statements()
+    except StatementError as exc:
+        raise UsageError(str(exc)) from None
+    finally:
+        queue.close()
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                sql.Identifier(schema)))
+
+
 def _check_out(out: Path) -> None:
     """Refuse an --out that is a file or lies under one, before anything starts."""
     for folder in (out, *out.parents):
@@ -106,8 +143,22 @@ def _check_out(out: Path) -> None:
             return
 
 
+def estimate(sizes: tuple[int, ...]) -> str:
+    """Roughly how long and how much disk a run to these sizes takes (the table grows to
+    the largest)."""
+    largest = max(sizes)
+    minutes = largest * SECONDS_PER_JOB / 60
+    gigabytes = largest * BYTES_PER_JOB / 1e9
+    took = f"{minutes:.0f} min" if minutes >= 1 else "under a minute"
+    return (f"about {took} and {gigabytes:.1f} GB on the server's disk"
+            " (measured on 2 cores: 10 min and 4.5 GB for 10M jobs)")
+
+
 def run(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.sizes)
+    if max(sizes) > CONFIRM_ABOVE and not args.yes:
+        raise UsageError(f"--sizes up to {max(sizes):,} jobs: {estimate(sizes)}; "
+                         "add --yes to run it")
     try:
         statements, _ = statements_and_sources(args.sql)
     except (OSError, ValueError) as exc:
@@ -116,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
     _check_out(out)
     started = time.perf_counter()
     with postgres(args.dsn, durable=True) as server:
+        if args.sql is not None:
+            _check_sql(server.dsn, args.sql)
         settings = server.settings()
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -130,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             "session_settings": SESSION_SETTINGS,
             "autovacuum_on_jobs": "off (so the bloat measured is the bloat made)",
         }
+        _say(f"estimate for {max(sizes):,} jobs: {estimate(sizes)}")
         _say(f"plans: sizes {', '.join(_short(n) for n in sizes)} jobs; batch {args.batch}, "
              f"up to {args.repeat} timed claims per variant; server {server.kind} "
              f"{server.display}, PostgreSQL {settings['server_version']}")

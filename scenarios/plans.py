@@ -28,11 +28,14 @@ Autovacuum is off on the table throughout, so the bloat measured is the bloat ma
 from __future__ import annotations
 
 import math
+import os
+import re
+import socket
 import statistics
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
@@ -265,6 +268,49 @@ class Result:
 Say = Callable[[str], None]
 
 
+def _owner_note() -> str:
+    """Who made a plans database: kept as its comment, so a later run can tell one whose
+    plans was killed (its process gone) from one still being set up."""
+    return f"skiplock plans: host={socket.gethostname()} pid={os.getpid()}"
+
+
+def _abandoned(comment: str | None) -> bool:
+    match = re.fullmatch(r"skiplock plans: host=(?P<host>\S+) pid=(?P<pid>\d+)", comment or "")
+    if match is None or match["host"] != socket.gethostname():
+        return False  # made elsewhere, or not yet marked: not ours to judge
+    try:
+        os.kill(int(match["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def drop_abandoned_databases(dsn: str) -> int:
+    """Drop the databases of earlier plans runs on this host whose process is gone and
+    nobody is connected to (a plans killed with SIGKILL could not drop its own). Returns
+    how many were dropped; 0 where this role may not look or drop."""
+    dropped = 0
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+            rows = conn.execute(
+                "SELECT datname, shobj_description(oid, 'pg_database') FROM pg_database d"
+                " WHERE datname LIKE %s AND NOT EXISTS"
+                " (SELECT FROM pg_stat_activity a WHERE a.datname = d.datname)",
+                [SCHEMA_PREFIX + "\\_%"]).fetchall()
+            names = [str(name) for name, comment in rows if _abandoned(comment)]
+            for name in names:
+                # Without FORCE: a plans that connected since the query above keeps its own.
+                with suppress(psycopg.Error):
+                    conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(
+                        sql.Identifier(name)))
+                    dropped += 1
+    except psycopg.Error:
+        return dropped
+    return dropped
+
+
 def measure_sizes(dsn: str, statements: dict[str, str], sizes: tuple[int, ...], *, batch: int,
                   repeat: int, say: Say) -> Result:
     """Grow one table through `sizes` (increasing) and measure the four variants at each.
@@ -279,8 +325,14 @@ def measure_sizes(dsn: str, statements: dict[str, str], sizes: tuple[int, ...], 
     measurements: list[Measurement] = []
     try:
         with ExitStack() as cleanup:
+            left = drop_abandoned_databases(dsn)
+            if left:
+                say(f"removed {left} database(s) an earlier plans left when it was killed")
             try:
                 run_dsn = cleanup.enter_context(fresh_database(dsn, prefix=SCHEMA_PREFIX))
+                with psycopg.connect(run_dsn, autocommit=True) as conn:
+                    conn.execute(sql.SQL("COMMENT ON DATABASE {} IS {}").format(
+                        sql.Identifier(str(conn.info.dbname)), sql.Literal(_owner_note())))
                 isolation = ("a database of its own (no other client's snapshot can hold back "
                              "its VACUUM), dropped at the end")
             except psycopg.errors.InsufficientPrivilege:
@@ -297,6 +349,12 @@ def measure_sizes(dsn: str, statements: dict[str, str], sizes: tuple[int, ...], 
                 conn.isolation_level = IsolationLevel.READ_COMMITTED
                 for name, value in SESSION_SETTINGS.items():
                     conn.execute("SELECT set_config(%s, %s, false)", (name, value))
+                if conn.info.server_version >= 140000:
+                    # A plans killed with SIGKILL cannot cancel its INSERT of millions of
+                    # rows; the server then notices the closed socket within a second and
+                    # stops the statement, instead of writing gigabytes for nobody.
+                    conn.execute("SELECT set_config('client_connection_check_interval',"
+                                 " '1s', false)")
                 create_schema(conn, schema, statements)
                 # Planned as the queue's own connections plan it: once, generically.
                 apply_plan_settings(conn)

@@ -6,6 +6,8 @@ is one line and exit 2; an interrupted run leaves no schema and no session behin
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -183,6 +185,8 @@ def test_an_interrupted_run_drops_its_schema_and_closes_its_sessions(
     (["--sql", "no-such-file.sql"], "cannot read the SQL file"),
     (["--dsn", "postgresql://u:secret@127.0.0.1:1/db"], "cannot connect to PostgreSQL"),
     (["--batch", "0"], "--batch"),
+    # Hours and tens of GB: said first, and run only when asked for.
+    (["--sizes", "10k,100m"], "--sizes up to 100,000,000 jobs: about 100 min and 45.0 GB"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -200,3 +204,48 @@ def test_an_out_that_is_a_file_is_refused(tmp_path: Path,
     taken.write_text("")
     assert cli.main(["plans", "--out", str(taken / "sub")]) == 2
     assert "is a file" in capsys.readouterr().err
+
+
+def test_sql_the_server_refuses_is_bad_input_before_any_fill(
+        pg_dsn: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    broken = tmp_path / "broken.sql"
+    broken.write_text("-- name: claim\nSELEC %(batch)s, %(lease)s, %(locked_accounts)s,"
+                      " %(worker_id)s;\n")
+    out = tmp_path / "out"
+    assert cli.main(["plans", "--sizes", "2k", "--sql", str(broken), "--dsn", pg_dsn,
+                     "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "block 'claim': syntax error at or near \"SELEC\"" in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_a_database_left_by_a_killed_plans_is_dropped_by_the_next(
+        pg_dsn: str, tmp_path: Path) -> None:
+    gone_pid = _exited_pid()
+    left, marked_elsewhere = (f"{plans.SCHEMA_PREFIX}_{uuid.uuid4().hex[:12]}" for _ in "ab")
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        for name, note in ((left, f"skiplock plans: host={socket.gethostname()} pid={gone_pid}"),
+                           (marked_elsewhere, f"skiplock plans: host=elsewhere pid={gone_pid}")):
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+            admin.execute(sql.SQL("COMMENT ON DATABASE {} IS {}").format(
+                sql.Identifier(name), sql.Literal(note)))
+    try:
+        assert cli.main(["plans", "--sizes", "2k", "--repeat", "1", "--dsn", pg_dsn,
+                         "--out", str(tmp_path / "out")]) == 0
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            found = {str(r[0]) for r in admin.execute(
+                "SELECT datname FROM pg_database WHERE datname = ANY(%s)",
+                [[left, marked_elsewhere]]).fetchall()}
+        # Its process gone on this host: dropped; another host's: not this run's to judge.
+        assert found == {marked_elsewhere}
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            for name in (left, marked_elsewhere):
+                admin.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(
+                    sql.Identifier(name)))
+
+
+def _exited_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
