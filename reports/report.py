@@ -178,6 +178,23 @@ def _examples_html(run: RunData) -> str:
     return "<h2>Anomalies and their examples</h2>" + "".join(parts)
 
 
+def _headline(run: RunData) -> str | None:
+    """The figures the terminal ends with, in text (those a comparison puts side by side):
+    the rate delivered while the load ran, the wait for a first delivery, the retry budget."""
+    figures = headline(run)
+    parts = []
+    rate = figures.get("deliveries/s during load")
+    if rate is not None:
+        parts.append(f"{rate:,.{1 if rate < 10 else 0}f} deliveries/s during the load")
+    wait = "enqueue → first delivery"
+    if f"{wait} p50 (s)" in figures:
+        parts.append(f"{wait} p50 {figures[f'{wait} p50 (s)'] * 1000:,.0f} ms, "
+                     f"p99 {figures[f'{wait} p99 (s)'] * 1000:,.0f} ms")
+    if run.scenario.get("max_attempts") is not None:
+        parts.append(f"max_attempts {run.scenario['max_attempts']}")
+    return "; ".join(parts) or None
+
+
 def _verdict_html(run: RunData) -> str:
     verdict = run.verdict or {}
     reasons = verdict.get("unknown_reasons") or []
@@ -185,6 +202,7 @@ def _verdict_html(run: RunData) -> str:
     return (
         f'<div class="verdict">{_badge(verdict.get("valid"), run.verdict is not None)}'
         f'<span class="summary">{_e(_summary_sentence(run))}</span>'
+        + (f"<p class='headline'>{_e(line)}</p>" if (line := _headline(run)) else "")
         + (f"<p><b>Why unknown</b></p><ul>{unknown}</ul>" if unknown else "")
         + (f"<div style='margin-top:10px'>{_counts_table(run)}</div>" if run.verdict else "")
         + "</div>"
@@ -340,10 +358,21 @@ def write_report(run_dirs: Sequence[Path], out: Path | None = None) -> Path:
     return path
 
 
+def _what_broke(row: dict[str, Any]) -> str:
+    parts = [_e(row.get("message") or "")]
+    if row.get("replay"):
+        parts.append(f"<div>replay: <code>{_e(row['replay'])}</code></div>")
+    if row.get("details"):
+        parts.append(f"<details><summary>first examples</summary>"
+                     f"<pre style='white-space:pre-wrap'>{_e(row['details'])}</pre></details>")
+    return "".join(parts)
+
+
 def write_index(title: str, rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """A page listing several judged runs (a gate's cases): each row's `case`, `outcome`
     (pass, FAIL, unknown, ERROR), `seconds`, `message` and `run_dir`, linked to that run's
-    own report.html where it has one."""
+    own report.html where it has one; optional `replay` (the command that runs the case
+    again) and `details` (its first examples, folded)."""
     word = {"pass": "valid", "FAIL": "violated", "unknown": "unknown"}
     body = []
     for row in rows:
@@ -360,7 +389,7 @@ def write_index(title: str, rows: Sequence[dict[str, Any]], path: Path) -> Path:
             f"<tr><td>{_e(row.get('case', '?'))}</td><td><span class='badge {css}' "
             f"style='font-size:13px;padding:2px 8px'>{_e(outcome)}</span></td>"
             f"<td class='num'>{float(row.get('seconds') or 0):.0f}</td>"
-            f"<td>{_e(row.get('message') or '')}</td><td>{cell}</td></tr>")
+            f"<td>{_what_broke(row)}</td><td>{cell}</td></tr>")
     failed = sum(1 for row in rows if row.get("outcome") != "pass")
     summary = ("every case passed" if rows and not failed else
                f"{failed} of {len(rows)} case(s) did not pass")

@@ -340,8 +340,9 @@ def write_results(out: Path, summary: GateSummary) -> None:
                 + (f", sql {summary.sql_path}" if summary.sql_path else ""),
                 [{"case": f"{r.scenario} seed {r.seed}", "outcome": r.outcome,
                   "seconds": r.seconds,
-                  "message": "" if r.outcome == "pass"
-                  else f"{r.message()} (replay: {replay(summary, r)})",
+                  "message": "" if r.outcome == "pass" else r.headline(),
+                  "replay": None if r.outcome == "pass" else replay(summary, r),
+                  "details": None if r.outcome == "pass" else r.evidence(),
                   "run_dir": r.run_dir} for r in summary.results], out / REPORT_FILE)
 
 

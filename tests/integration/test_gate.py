@@ -113,6 +113,8 @@ def test_gate_fails_the_naive_queue_with_junit_naming_the_anomaly(tmp_path: Path
     # The gate's page lists the case as failed and links its run's own report.
     page = (out / "report.html").read_text()
     assert "noisy-neighbour seed 1" in page and ">FAIL</span>" in page
+    assert ("replay: <code>skiplock gate --only noisy-neighbour --seed 1 --backend pg-naive"
+            "</code>") in page
     assert f"href='runs/{run_dir.name}/report.html'" in page
     assert ">VIOLATED</span>" in (run_dir / "report.html").read_text()
 

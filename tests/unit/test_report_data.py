@@ -125,3 +125,15 @@ def test_a_redis_run_reports_redis_durability_and_versions(
     assert "<th>Redis</th><td>7.2.4 (embedded); bullmq 2.25.4, redis 5.2.1</td>" in page
     assert "<th>PostgreSQL durability</th><td>durable" in page
     assert "pgqueuer None" not in page
+
+
+def test_the_verdict_box_states_the_headline_figures_in_text(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path)
+    spec = json.loads((run / SPEC_FILE).read_text())
+    spec["phases"].append({"name": "load", "start": T0, "end": T0 + 2})
+    spec["scenario"]["max_attempts"] = 3
+    (run / SPEC_FILE).write_text(json.dumps(spec))
+    page = render([load_run(run)])
+    # One delivery in a 2 s load; j0 was enqueued at T0 and first delivered at T0 + 0.2.
+    assert ("<p class='headline'>0.5 deliveries/s during the load; enqueue → first delivery"
+            " p50 200 ms, p99 200 ms; max_attempts 3</p>") in page
