@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
 from pathlib import Path
@@ -60,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     out: Path = args.out
+    # What this command adds, so that a refusal leaves the folder as it found it.
+    made = [d for d in (out, out / DELIVERIES_DIR) if not d.exists()]
+    log_was_there = deliveries_path(out, name).exists()
     try:
         (out / DELIVERIES_DIR).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -85,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         # The log exists with another version's columns; appending would corrupt it.
         raise UsageError(str(exc)) from None
     except OSError as exc:
+        if not log_was_there:
+            _remove_unused(deliveries_path(out, name), made)
         raise UsageError(
             f"cannot listen on {url_for(host, args.port)}: {exc.strerror or exc}; "
             "pick another --port, or 0 for a free one"
@@ -96,3 +102,14 @@ def run(args: argparse.Namespace) -> int:
     if stopped_by == signal.SIGINT:
         raise KeyboardInterrupt
     return 0
+
+
+def _remove_unused(log: Path, made: list[Path]) -> None:
+    """The delivery log a refused target opened (its header only), and the folders it made
+    for it, when they hold nothing else."""
+    with contextlib.suppress(OSError):
+        if log.exists() and len(log.read_bytes().splitlines()) <= 1:
+            log.unlink()
+    for folder in reversed(made):
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when empty

@@ -352,9 +352,7 @@ def write_report(run_dirs: Sequence[Path], out: Path | None = None) -> Path:
         Path(run_dirs[0]) / REPORT_FILE if len(runs) == 1 else Path(REPORT_FILE))
     text = render(runs)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    _write_whole(path, text)
     return path
 
 
@@ -366,6 +364,18 @@ def _what_broke(row: dict[str, Any]) -> str:
         parts.append(f"<details><summary>first examples</summary>"
                      f"<pre style='white-space:pre-wrap'>{_e(row['details'])}</pre></details>")
     return "".join(parts)
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write a page whole or not at all: a reader never sees half of one, and a write that
+    fails (a full disk) leaves no `.tmp` behind."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_index(title: str, rows: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -400,7 +410,5 @@ def write_index(title: str, rows: Sequence[dict[str, Any]], path: Path) -> Path:
             "<th>seconds</th><th>what broke</th><th>run report</th></tr>"
             f"{''.join(body)}</table></main></body></html>")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    _write_whole(path, text)
     return path

@@ -369,16 +369,28 @@ def available() -> list[str]:
     return sorted(p.stem for p in SPECS_DIR.glob("*.toml"))
 
 
+def _not_a_file(path: Path) -> str:
+    """Why a path is not a scenario file, as the user should hear it."""
+    if not path.exists() and not path.is_symlink():
+        return "not found"
+    if path.is_dir():
+        return "is a directory; give a .toml file"
+    if path.is_symlink() and not path.exists():
+        return "is a broken symlink"
+    return "is not a regular file (a FIFO or a device); give a .toml file"
+
+
 def resolve_path(scenario: str) -> Path:
     """A name in scenarios/specs, or a path to a .toml file."""
     candidate = Path(scenario)
     if candidate.suffix == ".toml" or "/" in scenario:
         try:
             found = candidate.is_file()
+            what = None if found else _not_a_file(candidate)
         except OSError as exc:  # a name too long to look up, a folder it may not enter
             raise SpecError(f"scenario file {scenario}: {exc.strerror or exc}") from None
         if not found:
-            raise SpecError(f"scenario file {scenario} not found")
+            raise SpecError(f"scenario file {scenario} {what}")
         return candidate
     named = SPECS_DIR / f"{scenario}.toml"
     try:

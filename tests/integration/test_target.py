@@ -370,9 +370,11 @@ def test_cli_refuses_a_port_in_use_with_exit_2(
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        assert cli_main(["target", "--port", str(port), "--out", str(tmp_path)]) == 2
+        assert cli_main(["target", "--port", str(port), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "pick another --port" in err and err.count("\n") == 1
+    # Refused, it leaves no header-only delivery log, nor the folders it made for one.
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_refuses_a_log_with_other_columns_with_exit_2(

@@ -137,3 +137,19 @@ def test_the_verdict_box_states_the_headline_figures_in_text(tmp_path: Path) -> 
     # One delivery in a 2 s load; j0 was enqueued at T0 and first delivered at T0 + 0.2.
     assert ("<p class='headline'>0.5 deliveries/s during the load; enqueue → first delivery"
             " p50 200 ms, p99 200 ms; max_attempts 3</p>") in page
+
+
+def test_a_page_that_cannot_be_written_leaves_no_partial_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from skiplock.reports.report import write_index
+
+    def full(self: Path, *args: object, **kwargs: object) -> Path:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    # The page is written, then its move into place fails: the .tmp must not stay.
+    monkeypatch.setattr(Path, "replace", full)
+    with pytest.raises(OSError, match="No space left"):
+        write_index("gate", [], tmp_path / "report.html")
+    assert list(tmp_path.iterdir()) == []

@@ -183,3 +183,17 @@ def test_cli_refuses_non_finite_values_with_exit_2(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "finite" in err
+
+
+def test_a_scenario_path_that_is_no_file_says_what_it_is(tmp_path: Path) -> None:
+    import os
+
+    (tmp_path / "folder.toml").mkdir()
+    os.mkfifo(tmp_path / "fifo.toml")
+    (tmp_path / "zero.toml").symlink_to("/dev/zero")
+    (tmp_path / "dangling.toml").symlink_to(tmp_path / "absent")
+    for name, said in (("folder.toml", "is a directory"), ("fifo.toml", "not a regular file"),
+                       ("zero.toml", "not a regular file"),
+                       ("dangling.toml", "is a broken symlink")):
+        with pytest.raises(SpecError, match=said):
+            spec_mod.load(str(tmp_path / name))
