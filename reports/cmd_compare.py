@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("new", type=Path, help="the result to judge")
     parser.add_argument("--threshold", default="10%",
                         help="largest change for the worse that passes (default 10%%)")
+    parser.add_argument("--strict", action="store_true",
+                        help="refuse (exit 2) two results measured with different settings,"
+                             " instead of warning")
 
 
 def parse_threshold(text: str) -> float:
@@ -66,9 +70,20 @@ def _sweep(doc: dict[str, Any]) -> Iterator[Figure]:
             yield f"p99 at {rate} (s)", _figure(p99), False
 
 
+def _others(doc: dict[str, Any]) -> Iterator[Figure]:
+    """Every other system a result measured beside the reference (`--against`)."""
+    for system in ("pgqueuer", "bullmq"):
+        if isinstance(doc.get(system), dict):
+            yield f"{system} (jobs/s)", _figure(doc[system]["jobs_per_second"]), True
+            if doc.get(f"ratio_to_{system}") is not None:
+                yield (f"ratio reference / {system}", _figure(doc[f"ratio_to_{system}"]),
+                       True)
+
+
 def _e2e(doc: dict[str, Any]) -> Iterator[Figure]:
     yield "queue only (jobs/s)", _figure(doc["queue"]["jobs_per_second"]), True
     yield "end to end (jobs/s)", _figure(doc["e2e"]["jobs_per_second"]), True
+    yield from _others(doc)
     if doc.get("ratio") is not None:
         yield "ratio end to end / queue only", _figure(doc["ratio"]), True
     if doc["e2e"].get("job_p99_ms") is not None:
@@ -78,6 +93,7 @@ def _e2e(doc: dict[str, Any]) -> Iterator[Figure]:
 def _queue(doc: dict[str, Any]) -> Iterator[Figure]:
     yield "PgQueue (jobs/s)", _figure(doc["queue"]["jobs_per_second"]), True
     yield "raw SQL ceiling (jobs/s)", _figure(doc["ceiling"]["jobs_per_second"]), True
+    yield from _others(doc)
     if doc.get("ratio") is not None:
         yield "ratio queue / ceiling", _figure(doc["ratio"]), True
 
@@ -104,16 +120,53 @@ EXTRACTORS: dict[str, Callable[[dict[str, Any]], Iterator[Figure]]] = {
 }
 
 
-def figures(path: Path) -> tuple[str, dict[str, tuple[float, bool]]]:
-    """(benchmark, {figure: (value, higher is better)}) of a result file; UsageError for a
-    file that is not a result skiplock can compare."""
+# What must be equal for two results' figures to differ only by the code measured: the
+# benchmark's parameters, durability, the scenario and its overrides, the machine, and the
+# PostgreSQL major version.
+_SETTINGS = ("params", "durability", "durable", "scenario", "overrides",
+             "objective_p99_seconds", "machine.cpu", "machine.cpu_count",
+             "postgres.server_version")
+
+
+def settings(doc: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a result, flattened to dotted keys."""
+    found: dict[str, Any] = {}
+    for key in _SETTINGS:
+        value: Any = doc
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if key == "postgres.server_version" and isinstance(value, str):
+            value = value.split(".")[0]  # "15.20 (Debian ...)": the major version decides
+        if isinstance(value, dict):
+            found.update({f"{key}.{k}": v for k, v in value.items()})
+        elif value is not None:
+            found[key] = value
+    return found
+
+
+def setting_differences(base: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    a, b = settings(base), settings(new)
+    return [f"{key} {a.get(key, '(none)')} -> {b.get(key, '(none)')}"
+            for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
+
+
+def _read(path: Path) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise UsageError(f"{path}: cannot read a JSON result ({exc})") from None
     except RecursionError:
         raise UsageError(f"{path}: cannot read a JSON result (nested too deeply)") from None
-    kind = doc.get("benchmark") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict):
+        raise UsageError(f"{path}: not a result of {', '.join(sorted(EXTRACTORS))} "
+                         "(no known \"benchmark\")")
+    return doc
+
+
+def figures(path: Path, doc: dict[str, Any]) -> tuple[str, dict[str, tuple[float, bool]]]:
+    """(benchmark, {figure: (value, higher is better)}) of a result file read from `path`;
+    UsageError for a file that is not a result skiplock can compare."""
+    kind = doc.get("benchmark")
     extract = EXTRACTORS.get(kind) if isinstance(kind, str) else None
     if extract is None:
         raise UsageError(f"{path}: not a result of {', '.join(sorted(EXTRACTORS))} "
@@ -135,10 +188,19 @@ def change(base: float, new: float, higher_is_better: bool) -> float:
 
 def run(args: argparse.Namespace) -> int:
     threshold = parse_threshold(args.threshold)
-    base_kind, base = figures(args.base)
-    new_kind, new = figures(args.new)
+    base_doc, new_doc = _read(args.base), _read(args.new)
+    base_kind, base = figures(args.base, base_doc)
+    new_kind, new = figures(args.new, new_doc)
     if base_kind != new_kind:
         raise UsageError(f"cannot compare a {base_kind} result with a {new_kind} result")
+    differences = setting_differences(base_doc, new_doc)
+    if differences:
+        said = "; ".join(differences)
+        if args.strict:
+            raise UsageError(f"the two results were measured with different settings ({said});"
+                             " compare like with like, or leave out --strict")
+        print(f"WARNING: measured with different settings, so a change may be theirs, not the"
+              f" code's: {said}", file=sys.stderr)
     common = [name for name in base if name in new]
     if not common:
         raise UsageError("the two results share no figure (different steps or sizes?)")

@@ -106,3 +106,17 @@ def test_against_pgqueuer_without_it_installed_is_bad_input(
     monkeypatch.setitem(sys.modules, "pgqueuer", None)  # import fails as if absent
     with pytest.raises(UsageError, match=r"pip install 'skiplock\[pgqueuer\]'"):
         require_pgqueuer()
+
+
+@pytest.mark.parametrize(("queue_rate", "explained"), [(1470.0, True), (900.0, False)])
+def test_a_queue_above_its_ceiling_is_explained(
+        capsys: pytest.CaptureFixture[str], queue_rate: float, explained: bool) -> None:
+    def phase(rate: float) -> bench_queue.PhaseResult:
+        return bench_queue.PhaseResult(jobs=int(rate), cycles=1, seconds=1.0,
+                                       jobs_per_second=rate, cycle_p50_ms=1.0,
+                                       cycle_p99_ms=2.0, ran_dry=False, extra={})
+
+    bench_queue._print_summary(phase(queue_rate), phase(1000.0), queue_rate / 1000.0)
+    out = capsys.readouterr().out
+    assert f"ratio queue/ceiling: {queue_rate / 1000:.2f}" in out
+    assert (bench_queue.CEILING_BEATEN in out) is explained

@@ -121,3 +121,35 @@ def test_deeply_nested_json_is_bad_input(tmp_path: Path,
     bad.write_text("[" * 100_000 + "]" * 100_000)
     assert cli.main(["compare", write(tmp_path / "a.json", E2E), str(bad)]) == 2
     assert "nested too deeply" in capsys.readouterr().err
+
+
+def test_results_with_different_settings_warn_and_strict_refuses(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = {**copy.deepcopy(E2E), "params": {"enqueue_batch": 1, "workers": 2},
+            "durability": "fsync"}
+    new = copy.deepcopy(base)
+    new["params"]["enqueue_batch"] = 10
+    a, b = write(tmp_path / "a.json", base), write(tmp_path / "b.json", new)
+    assert cli.main(["compare", a, b]) == 0
+    err = capsys.readouterr().err
+    assert "WARNING: measured with different settings" in err
+    assert "params.enqueue_batch 1 -> 10" in err
+    assert cli.main(["compare", a, b, "--strict"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "params.enqueue_batch 1 -> 10" in err
+    # Like with like: no warning.
+    assert cli.main(["compare", a, a, "--strict"]) == 0
+    assert "WARNING" not in capsys.readouterr().err
+
+
+def test_every_system_in_a_result_is_compared(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = {**copy.deepcopy(E2E), "bullmq": {"jobs_per_second": 1000.0},
+            "ratio_to_bullmq": 2.4}
+    new = copy.deepcopy(base)
+    new["bullmq"]["jobs_per_second"] = 500.0  # Redis got slower; the reference did not
+    assert cli.main(["compare", write(tmp_path / "a.json", base),
+                     write(tmp_path / "b.json", new)]) == 1
+    out = capsys.readouterr().out
+    assert "bullmq (jobs/s)" in out and "REGRESSION" in out
+    assert "ratio reference / bullmq" in out
