@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import threading
 import time
 from collections import Counter
@@ -41,8 +42,10 @@ import psycopg
 from skiplock.plumbing.errors import UsageError
 from skiplock.reports.history import (
     ENQUEUES_FILE,
+    LOG_SUFFIX,
     RUN_FILE,
     SPEC_FILE,
+    WORKERS_DIR,
     read_json,
 )
 from skiplock.reports.selfdescribe import describe
@@ -65,6 +68,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="objective: p99 enqueue -> first timely 2xx, seconds (default 1)")
     parser.add_argument("--all-steps", action="store_true",
                         help="run every step, not only up to the first that misses")
+    parser.add_argument("--bisect", type=int, default=2, metavar="N",
+                        help="steps run between the last rate that met the objective and the"
+                             " first that missed, halving the gap each time (default 2; 0: none)")
     parser.add_argument("--seed", type=int, default=1, help="seed for every step (default 1)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a scenario key for every step")
@@ -89,7 +95,6 @@ def parse_rates(text: str) -> tuple[float, ...]:
 def run(args: argparse.Namespace) -> int:
     from skiplock.scenarios import spec as spec_mod
     from skiplock.scenarios.provision import postgres
-    from skiplock.scenarios.runner import RunOptions, run_scenario
 
     rates = parse_rates(args.rates)
     for name in ("step", "p99"):
@@ -99,10 +104,12 @@ def run(args: argparse.Namespace) -> int:
                              f"seconds, got {value}")
     try:
         base = spec_mod.load(args.scenario, args.overrides)
-        steps = [dataclasses.replace(base, rate=rate, duration=args.step).validate()
-                 for rate in rates]
+        for rate in rates:  # every step's scenario is valid before the first runs
+            dataclasses.replace(base, rate=rate, duration=args.step).validate()
     except SpecError as exc:
         raise UsageError(str(exc)) from None
+    if not 0 <= args.bisect <= MAX_BISECT:
+        raise UsageError(f"--bisect must be from 0 to {MAX_BISECT}, got {args.bisect}")
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out} is a file; give a directory")
     folder = args.out / f"{datetime.now(UTC):%Y%m%d-%H%M%S}-sweep-{base.name}"
@@ -117,28 +124,16 @@ def run(args: argparse.Namespace) -> int:
         _say(f"sweep of {base.name}: rates {', '.join(f'{r:g}' for r in rates)} jobs/s, "
              f"{args.step:g} s each, objective p99 <= {args.p99:g} s; server {server.kind}, "
              f"PostgreSQL {settings['server_version']}")
-        for spec in steps:
-            _say(f"step {spec.rate:g} jobs/s ...")
-            options = RunOptions(seed=args.seed, out=folder / "runs", server=server,
-                                 worker_logs_to_files=True)
-            with _watch(server.dsn) as watched:
-                result = run_scenario(spec, options)
-            step = measure_step(result.run_dir, objective=args.p99)
-            step |= {"rate": spec.rate, "run_dir": str(result.run_dir),
-                     "verdict": str(result.verdict.valid), **watched.summary()}
-            results.append(step)
-            _say("  " + step_line(step))
-            if step["producers_short"]:
-                _say(f"  the producers offered {step['offered_per_second']:g} of "
-                     f"{spec.rate:g} jobs/s: the harness is the limit here, not the queue "
-                     "(raise producers, users or enqueue_batch with --set); stopping")
+        stepper = _Stepper(base, args, server, folder, results)
+        for rate in rates:
+            step = stepper.step(rate)
+            if step["producers_short"] or (not step["meets_objective"] and not args.all_steps):
                 break
-            if not step["meets_objective"] and not args.all_steps:
-                break
+        stepper.bisect(args.bisect)
     knee = knee_of(results)
     # Every step met the objective: the knee lies above the rates tried.
     beyond = bool(results) and all(s["meets_objective"] and not s["producers_short"]
-                                   for s in results)
+                                   for s in _judged(results))
     doc = {"benchmark": "sweep", "finished_at": datetime.now(UTC).isoformat(),
            "scenario": base.name, "objective_p99_seconds": args.p99, "seed": args.seed,
            "overrides": list(args.overrides), "durable": settings["durable"],
@@ -153,6 +148,99 @@ def run(args: argparse.Namespace) -> int:
     _say(f"where the time went: {doc['bottleneck']}")
     _say(f"written: {folder / 'sweep.json'}, {folder / 'sweep.png'}")
     return 0
+
+
+MAX_BISECT = 8
+# Enqueue transactions carry this many jobs once the sweep raises the producers' side.
+RAISED_ENQUEUE_BATCH = 10
+
+
+class _Stepper:
+    """Runs steps of a sweep, raising the producers' side when they fall short of the rate
+    asked for (the harness must not be what a capacity sweep measures), and bisects."""
+
+    def __init__(self, base: Any, args: argparse.Namespace, server: Any, folder: Path,
+                 results: list[dict[str, Any]]) -> None:
+        self.base, self.args, self.server, self.folder = base, args, server, folder
+        self.results = results
+        self.producers, self.enqueue_batch = base.producers, base.enqueue_batch
+        # Most producer processes worth starting: more than two per core only queue up.
+        self.max_producers = max(base.producers, 2 * (os.cpu_count() or 1))
+
+    def step(self, rate: float) -> dict[str, Any]:
+        while True:
+            step = self._run(rate)
+            if not step["producers_short"] or not self._raise_producers(step):
+                return step
+            step["superseded"] = True
+
+    def _run(self, rate: float) -> dict[str, Any]:
+        from skiplock.scenarios.runner import RunOptions, run_scenario
+
+        spec = dataclasses.replace(self.base, rate=rate, duration=self.args.step,
+                                   producers=self.producers,
+                                   enqueue_batch=self.enqueue_batch).validate()
+        _say(f"step {rate:g} jobs/s (producers {spec.producers}, enqueue_batch "
+             f"{spec.enqueue_batch}) ...")
+        options = RunOptions(seed=self.args.seed, out=self.folder / "runs", server=self.server,
+                             worker_logs_to_files=True)
+        with _watch(self.server.dsn) as watched:
+            result = run_scenario(spec, options)
+        step = measure_step(result.run_dir, objective=self.args.p99)
+        step |= {"rate": rate, "producers": spec.producers,
+                 "enqueue_batch": spec.enqueue_batch, "run_dir": str(result.run_dir),
+                 "verdict": str(result.verdict.valid), **watched.summary()}
+        self.results.append(step)
+        _say("  " + step_line(step))
+        return step
+
+    def _raise_producers(self, step: dict[str, Any]) -> bool:
+        """One rung up the producers' ladder (bigger enqueue transactions, then twice the
+        processes); False at the top, where the harness is the limit."""
+        if self.enqueue_batch < RAISED_ENQUEUE_BATCH:
+            self.enqueue_batch = RAISED_ENQUEUE_BATCH
+        elif self.producers < self.max_producers:
+            self.producers = min(2 * self.producers, self.max_producers)
+        else:
+            _say(f"  the producers offered {step['offered_per_second']:g} of "
+                 f"{step['rate']:g} jobs/s with {self.producers} processes and "
+                 f"{self.enqueue_batch} jobs per transaction: the harness is the limit here,"
+                 " not the queue; stopping")
+            return False
+        _say(f"  the producers offered {step['offered_per_second']:g} of {step['rate']:g}"
+             f" jobs/s: raising them to {self.producers} process(es), {self.enqueue_batch}"
+             " jobs per transaction, and running the step again")
+        return True
+
+    def bisect(self, rounds: int) -> None:
+        """Halve the gap between the highest rate that met the objective and the lowest
+        that missed it (a queue's limit, not the producers'), `rounds` times."""
+        for _ in range(rounds):
+            met, missed = bracket(self.results)
+            if met is None or missed is None:
+                return
+            middle = float(f"{(met + missed) / 2:.3g}")
+            if not met < middle < missed:
+                return
+            step = self.step(middle)
+            if step["producers_short"]:
+                return
+
+
+def bracket(steps: Sequence[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """(highest rate that met the objective, lowest that missed it above it), over the steps
+    that judged the queue (not superseded, not limited by the producers)."""
+    judged = sorted((s for s in _judged(steps) if not s.get("producers_short")),
+                    key=lambda s: s["rate"])
+    missed = next((s["rate"] for s in judged if not s["meets_objective"]), None)
+    met = [s["rate"] for s in judged if s["meets_objective"]
+           and (missed is None or s["rate"] < missed)]
+    return (max(met) if met else None), missed
+
+
+def _judged(steps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Steps that count: not those run again with more producers."""
+    return [s for s in steps if not s.get("superseded")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,7 +275,10 @@ def measure_step(run_dir: Path, *, objective: float) -> dict[str, Any]:
     meets = (p99 is not None and p99 <= objective and rate_ok
              and growth <= max(10.0, BACKLOG_GROWTH_SECONDS * offered))
     requested = float(spec_json["scenario"]["rate"])
+    hold = mean_lease_hold(run_dir, start, end)
     return {"requested_per_second": requested,
+            "lease_hold_seconds": None if hold is None else round(hold, 4),
+            "capacities": capacities(spec_json["scenario"], hold),
             # The producers could not offer the rate asked for: the harness, not the queue,
             # is the limit at this step, and it measures nothing about the queue's capacity.
             "producers_short": bool(requested > 0 and offered < DELIVERED_SHARE * requested),
@@ -197,6 +288,40 @@ def measure_step(run_dir: Path, *, objective: float) -> dict[str, Any]:
             "p99_seconds": None if p99 is None else (p99 if math.isinf(p99) else round(p99, 4)),
             "jobs_never_delivered": missing, "backlog_growth": growth,
             "meets_objective": bool(meets)}
+
+
+def mean_lease_hold(run_dir: Path, start: float, end: float) -> float | None:
+    """How long a job held its slot on average during the load: from its claim to its result
+    written (the span an account's limit and a worker's batch count), from the worker logs."""
+    frames = []
+    for path in sorted((run_dir / WORKERS_DIR).glob(f"*{LOG_SUFFIX}")):
+        with contextlib.suppress(ValueError, KeyError, pd.errors.EmptyDataError):
+            frame = pd.read_csv(path, usecols=["kind", "job_id", "attempt", "time"],
+                                dtype={"job_id": str, "kind": str})
+            frames.append(frame[frame["kind"].isin(["claim", "write"])])
+    if not frames:
+        return None
+    events = pd.concat(frames, ignore_index=True)
+    claims = events[events["kind"] == "claim"].groupby(["job_id", "attempt"])["time"].min()
+    writes = events[events["kind"] == "write"].groupby(["job_id", "attempt"])["time"].max()
+    held = (writes.reindex(claims.index) - claims).dropna()
+    held = held[(claims.reindex(held.index) >= start) & (claims.reindex(held.index) < end)]
+    return float(held.mean()) if len(held) else None
+
+
+def capacities(scenario: dict[str, Any], hold: float | None) -> dict[str, float]:
+    """The rates a step's slots allow, by Little's law (slots / seconds a job holds one):
+    the accounts' limits together (when every account has one) and the workers' batches."""
+    if not hold or hold <= 0:
+        return {}
+    found: dict[str, float] = {}
+    limits = list((scenario.get("accounts") or {}).values())
+    if limits and all(isinstance(v, int) for v in limits):
+        found[f"account slots ({sum(limits)} in all)"] = round(sum(limits) / hold, 1)
+    workers, batch = scenario.get("workers"), scenario.get("batch")
+    if isinstance(workers, int) and isinstance(batch, int):
+        found[f"workers' slots ({workers} x {batch})"] = round(workers * batch / hold, 1)
+    return found
 
 
 def backlog_growth(run_dir: Path, start: float, end: float) -> float:
@@ -216,7 +341,7 @@ def knee_of(steps: Sequence[dict[str, Any]]) -> float | None:
     none did, or when no step missed it before the producers fell short (the queue's limit
     was never reached, so there is no knee to report)."""
     knee = None
-    for step in steps:
+    for step in sorted(_judged(steps), key=lambda s: s["rate"]):
         if step.get("producers_short"):
             return None
         if not step["meets_objective"]:
@@ -238,15 +363,37 @@ def step_line(step: dict[str, Any]) -> str:
             f"{'meets' if step['meets_objective'] else 'MISSES'} the objective")
 
 
+# A slot bound binds when the rate delivered comes this close to what the slots allow.
+BINDING_SHARE = 0.8
+
+
+def _slot_bound(step: dict[str, Any]) -> str | None:
+    """The slots that capped the step, if the rate it delivered came close to what they
+    allow (Little's law); None when no slot bound was near."""
+    caps = step.get("capacities") or {}
+    if not caps:
+        return None
+    name = min(caps, key=lambda k: caps[k])
+    if step["delivered_per_second"] < BINDING_SHARE * caps[name]:
+        return None
+    return (f"{name}: each job held its slot {step['lease_hold_seconds'] * 1000:.0f} ms from"
+            f" claim to result written, so they allow about {caps[name]:g} jobs/s"
+            f" (delivered {step['delivered_per_second']:g}/s)")
+
+
 def bottleneck(steps: Sequence[dict[str, Any]], knee: float | None) -> str:
     """A sentence on where the time went at the first step past the knee (or the last)."""
     if not steps:
         return "no step ran"
-    short = next((s for s in steps if s.get("producers_short")), None)
+    short = next((s for s in _judged(steps) if s.get("producers_short")), None)
     if short is not None:
         return (f"at {short['rate']:g} jobs/s the producers offered only "
                 f"{short['offered_per_second']:g}/s: the harness, not the queue")
-    past = next((s for s in steps if not s["meets_objective"]), steps[-1])
+    judged = sorted(_judged(steps), key=lambda s: s["rate"])
+    past = next((s for s in judged if not s["meets_objective"]), judged[-1])
+    bound = _slot_bound(past)
+    if bound is not None:
+        return f"at {past['rate']:g} jobs/s: {bound}"
     cpu = past["cpu"]
     groups = {k: cpu.get(k, 0.0) for k in ("server", "workers", "harness")}
     top = max(groups, key=lambda k: groups[k])
@@ -359,12 +506,22 @@ def plot(steps: Sequence[dict[str, Any]], knee: float | None, objective: float, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    steps = sorted(_judged(steps), key=lambda s: s["rate"])
     rates = [s["rate"] for s in steps]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    if rates:
+        # Where a queue that keeps up lies: delivered = asked.
+        top.plot([0, max(rates)], [0, max(rates)], color="lightgrey", linewidth=1,
+                 label="delivered = asked", zorder=0)
     top.plot(rates, [s["offered_per_second"] for s in steps], "o--", color="grey",
              label="offered")
     top.plot(rates, [s["delivered_per_second"] for s in steps], "o-", color="tab:blue",
              label="delivered (first timely 2xx)")
+    short = [s for s in steps if s.get("producers_short")]
+    if short:
+        top.plot([s["rate"] for s in short], [s["offered_per_second"] for s in short], "x",
+                 color="tab:red", markersize=10, mew=2,
+                 label="producers short: the harness, not the queue")
     top.set_ylabel("jobs/s")
     top.legend(loc="upper left", framealpha=0.9)
     top.grid(alpha=0.3)
@@ -379,7 +536,7 @@ def plot(steps: Sequence[dict[str, Any]], knee: float | None, objective: float, 
     bottom.yaxis.set_major_formatter(plain)
     bottom.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     bottom.set_ylabel("seconds (log)")
-    bottom.set_xlabel("offered rate, jobs/s")
+    bottom.set_xlabel("asked rate, jobs/s")
     bottom.legend(loc="upper left")
     bottom.grid(alpha=0.3, which="both")
     for axis in (top, bottom):

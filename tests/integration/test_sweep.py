@@ -31,6 +31,11 @@ def test_a_two_step_sweep_writes_its_result_and_plot(
         assert Path(step["run_dir"]).is_dir()
         assert step["wait_samples"] > 0
         assert step["cpu"]["workers"] > 0, "the workers' CPU was not found"
+        # What the step's slots allowed (Little's law), from its own claim and write times.
+        assert 0 < step["lease_hold_seconds"] < 5
+        assert {"account slots (17 in all)", "workers' slots (2 x 10)"} <= set(
+            step["capacities"])
+        assert step["producers"] == 1 and step["enqueue_batch"] == 1
     assert doc["knee_rate"] == 40 and doc["knee_above_rates"] is True
     assert (folder / "sweep.png").stat().st_size > 10_000
     assert "above 40 jobs/s" in capsys.readouterr().out
