@@ -795,6 +795,19 @@ def good_run(run_dir: Path) -> Path:
     return b.write(run_dir)
 
 
+_E2E = ('{"benchmark": "e2e", "params": {"enqueue_batch": %s}, "queue": {"jobs_per_second":'
+        ' 3000.0}, "e2e": {"jobs_per_second": %s, "job_p99_ms": 40.0}, "ratio": 0.8}')
+# Result files for `compare`: two alike but for a setting, and figures no result should hold.
+_RESULTS = {
+    "base.json": _E2E % ("1", "2400.0"),
+    "batch10.json": _E2E % ("10", "2400.0"),
+    "nan.json": _E2E % ("1", "NaN"),
+    "bool.json": _E2E % ("1", "true"),
+    "huge.json": _E2E % ("1", "1" + "0" * 400),
+    "deep.json": "[" * 50_000 + "]" * 50_000,
+}
+
+
 @contextlib.contextmanager
 def sandbox() -> Iterator[Path]:
     """A fresh directory per example, with the entries the path strategies name."""
@@ -806,6 +819,8 @@ def sandbox() -> Iterator[Path]:
         (root / "good.sql").write_text("-- name: recover\nSELECT 1\n")
         (root / "bad.sql").write_text("-- name: nope\nSELECT %(x)s\n")
         (root / "latin1.sql").write_bytes(b"-- name: recover\nSELECT '\xe9'\n")
+        for name, text in _RESULTS.items():
+            (root / name).write_text(text)
         good_run(root / "run")
         yield root
 
@@ -902,8 +917,10 @@ def closed_port_last(draw: st.DrawFn, words: list[str]) -> list[str]:
 def gate_lines(draw: st.DrawFn) -> Line:
     words = ["gate", *_flags(draw, {
         "--backend": backends, "--sql": sql_paths, "--dsn": dsns, "--seed": int_text,
-        "--seeds": int_text, "--only": st.one_of(st.lists(st.one_of(
-            st.sampled_from(available()), garbage), max_size=3).map(",".join), paths),
+        "--seeds": st.one_of(int_text, st.sampled_from(["1000000000000", "1001", "1000"])),
+        "--only": st.one_of(st.lists(st.one_of(
+            st.sampled_from(available()), garbage), max_size=3).map(",".join), paths,
+            st.sampled_from(["", ",", " , "])),
         "--no-recovery": None, "--set": set_items, "--out": paths,
     })]
     words += closed_port_last(draw, words)
@@ -1011,18 +1028,22 @@ def sweep_lines(draw: st.DrawFn) -> Line:
 
 @st.composite
 def compare_lines(draw: st.DrawFn) -> Line:
-    files = draw(st.lists(st.one_of(paths, garbage), max_size=3))
-    words = ["compare", *files, *_flags(draw, {"--threshold": number_text})]
-    return Line(words, allowed={2})
+    files = draw(st.lists(st.one_of(st.sampled_from(sorted(_RESULTS)), paths, garbage),
+                          max_size=3))
+    words = ["compare", *files, *_flags(draw, {"--threshold": number_text, "--strict": None})]
+    # Two readable results of different settings pass with a warning (0), or --strict
+    # refuses them (2); a regression (1) cannot arise: their figures are equal.
+    return Line(words, allowed={0, 2})
 
 
 @st.composite
 def plans_lines(draw: st.DrawFn) -> Line:
     words = ["plans", *_flags(draw, {
         "--sizes": st.one_of(garbage, st.sampled_from(
-            ["10k,100k", "1m", "0", "1,x", "-5", "10k,10k", "99999999999999"])),
+            ["10k,100k", "1m", "0", "1,x", "-5", "10k,10k", "99999999999999", "100m",
+             "10k,100m"])),
         "--batch": int_text, "--repeat": int_text, "--sql": paths, "--dsn": dsns,
-        "--out": paths})]
+        "--out": paths, "--yes": None})]
     words += closed_port_last(draw, words)
     return Line(words, allowed={2})
 
