@@ -510,7 +510,26 @@ def _interrupted_snapshot(backend: BackendSpec, path: Path,
     return None, f"not taken: {outcome.get('error', 'unknown error')}"
 
 
-def _wait_drained(loop: _SampleLoop, spec: ScenarioSpec, pool: Any) -> bool:
+# Below this much free space where the run writes its history, the run stops: a history
+# cut short by a full disk judges nothing, and every process would fail on every write.
+MIN_FREE_BYTES = 16 * 1024 * 1024
+
+
+def check_disk(run_dir: Path) -> None:
+    """HarnessError (one line) when the file system holding `run_dir` is (nearly) full."""
+    try:
+        stat = os.statvfs(run_dir)
+    except OSError:
+        return  # cannot tell: the writes themselves will say
+    free = stat.f_bavail * stat.f_frsize
+    if free < MIN_FREE_BYTES:
+        raise HarnessError(f"the disk holding {run_dir} is full ({free // 1024} KiB free): the"
+                           " run stopped rather than write a history cut short; free space"
+                           " and run again")
+
+
+def _wait_drained(loop: _SampleLoop, spec: ScenarioSpec, pool: Any,
+                  watch: Callable[[], None] = lambda: None) -> bool:
     """True when the queue is quiescent, False when the drain timeout came first.
 
     Quiescent means every job is terminal, or, with recovery off, some jobs are stranded in
@@ -522,6 +541,7 @@ def _wait_drained(loop: _SampleLoop, spec: ScenarioSpec, pool: Any) -> bool:
     last: tuple[tuple[str, int], ...] | None = None
     unchanged_since = time.monotonic()
     while True:
+        watch()
         counts, stranded = loop.drain_state()
         if counts is not None:
             live = sum(n for status, n in counts.items() if not JobStatus(status).terminal)
@@ -919,7 +939,8 @@ def _run_load(
                        nemesis_log=nemesis_log, schema=run.schema, target=target,
                        spec=spec, load_start=start_at + spec.warmup), run.options.seed)
     try:
-        stopped = _wait_phases(spec, producers, start_at, run.phase)
+        stopped = _wait_phases(spec, producers, start_at, run.phase,
+                               watch=lambda: check_disk(run.run_dir))
     finally:
         nemesis.stop()
     if run.planned:
@@ -939,7 +960,7 @@ def _drain(run: _RunState, loop: _SampleLoop, pool: Any) -> None:
     """Wait, bounded by the drain timeout, for the queue to settle, and say how it ended."""
     run.phase("drain")
     drain_started = time.monotonic()
-    run.drained = _wait_drained(loop, run.spec, pool)
+    run.drained = _wait_drained(loop, run.spec, pool, lambda: check_disk(run.run_dir))
     run.drain_seconds = time.monotonic() - drain_started
     if run.drained:
         run.say("drained")
@@ -973,7 +994,8 @@ def _target(run_dir: Path) -> Iterator[Any]:
 
 
 def _wait_phases(spec: ScenarioSpec, producers: list[Any], start_at: float,
-                 phase: Callable[[str], None], overrun_seconds: float = 15.0) -> list[str]:
+                 phase: Callable[[str], None], overrun_seconds: float = 15.0,
+                 watch: Callable[[], None] = lambda: None) -> list[str]:
     """Warm-up then load, by the clock; returns early if every producer has exited.
 
     Returns the names of the producers this function had to stop because they overran the
@@ -985,6 +1007,7 @@ def _wait_phases(spec: ScenarioSpec, producers: list[Any], start_at: float,
     in_load = False
     stopped: list[str] = []
     while time.time() < end_at + overrun_seconds:
+        watch()
         if not in_load and time.time() >= load_at:
             phase("load")
             in_load = True
