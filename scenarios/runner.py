@@ -627,7 +627,8 @@ class _RunState:
                 "nemesis_schedule": [p.to_json() for p in self.planned],
                 "replay": options.replay or replay_command(
                     spec, seed=options.seed, backend=options.backend,
-                    sql_path=options.sql_path, backend_options=options.backend_options),
+                    sql_path=options.sql_path, backend_options=options.backend_options,
+                    dsn=options.dsn),
                 **self.description,
                 **extra,
             },

@@ -586,11 +586,13 @@ def load(scenario: str, overrides: Sequence[str] = ()) -> ScenarioSpec:
 def replay_command(spec: ScenarioSpec, *, seed: int, backend: str, sql_path: str | None,
                    command: Sequence[str] | None = None,
                    base: ScenarioSpec | None = None,
-                   backend_options: Sequence[tuple[str, str]] = ()) -> str:
+                   backend_options: Sequence[tuple[str, str]] = (),
+                   dsn: str | None = None) -> str:
     """The command line that runs `spec` again with the same seed: `command` (by default
     `skiplock run` and the shipped scenario `spec` is named after) plus `--set` for every key
     that differs from `base` (by default that shipped scenario). A fault schedule that
-    differs cannot be written as `--set`: the command says so."""
+    differs cannot be written as `--set`: the command says so. A `dsn` given on the command
+    line is named too, its password shown as `***` (type it again to replay)."""
     shipped = spec.name in available()
     words = list(command or ["skiplock", "run",
                              spec.name if shipped else f"{spec.name}.toml"])
@@ -599,15 +601,22 @@ def replay_command(spec: ScenarioSpec, *, seed: int, backend: str, sql_path: str
         words += ["--backend", backend]
     if sql_path:
         words += ["--sql", sql_path]
-    from skiplock.queue_impl.plugins import shown_options
+    from skiplock.queue_impl.plugins import redact, shown_options
 
     for key, value in shown_options(tuple(backend_options)).items():
         words += ["--backend-opt", f"{key}={value}"]
     if base is None and shipped:
         with contextlib.suppress(SpecError):
             base = load(spec.name)
-    if base is None:
-        return shlex.join(words)
+    note = "" if base is None else _set_differences(spec, base, words)
+    if dsn:
+        words += ["--dsn", redact(dsn)]
+    return shlex.join(words) + note
+
+
+def _set_differences(spec: ScenarioSpec, base: ScenarioSpec, words: list[str]) -> str:
+    """Append `--set` for every key of `spec` that differs from `base`; returns a note for
+    what `--set` cannot say (a table's key removed, another fault schedule)."""
     for key in SCALAR_KEYS:
         value = getattr(spec, key)
         if value != getattr(base, key) and key not in ("name", "description"):
@@ -620,8 +629,7 @@ def replay_command(spec: ScenarioSpec, *, seed: int, backend: str, sql_path: str
                 shown = "unlimited" if value is None else value
                 words += ["--set", f"{table}.{sub}={shown}"]
         if set(theirs) - set(ours):
-            return shlex.join(words) + f"  # and without {table} {sorted(set(theirs) - set(ours))}"
-    command = shlex.join(words)
+            return f"  # and without {table} {sorted(set(theirs) - set(ours))}"
     if spec.nemesis != base.nemesis:
-        command += "  # with the fault schedule recorded in spec.json (nemesis)"
-    return command
+        return "  # with the fault schedule recorded in spec.json (nemesis)"
+    return ""

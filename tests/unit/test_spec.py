@@ -197,3 +197,13 @@ def test_a_scenario_path_that_is_no_file_says_what_it_is(tmp_path: Path) -> None
                        ("dangling.toml", "is a broken symlink")):
         with pytest.raises(SpecError, match=said):
             spec_mod.load(str(tmp_path / name))
+
+
+def test_the_replay_names_a_given_dsn_without_its_password() -> None:
+    spec = spec_mod.load("steady")
+    line = spec_mod.replay_command(spec, seed=3, backend="pg", sql_path=None,
+                                   dsn="postgresql://u:s3cret@127.0.0.1:5432/db")
+    assert line.startswith("skiplock run steady --seed 3 --dsn ")  # last: after any --set
+    assert "s3cret" not in line and "password=***" in line and "host=127.0.0.1" in line
+    # No DSN given (provisioned, or from the environment): none in the line.
+    assert "--dsn" not in spec_mod.replay_command(spec, seed=3, backend="pg", sql_path=None)
