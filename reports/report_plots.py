@@ -40,6 +40,9 @@ _FAULT_COLOURS = ("#e4572e", "#8e44ad", "#f39c12", "#16a085", "#c0392b", "#2c3e5
 _SERIES_COLOURS = {"enqueued": "#4c72b0", "delivered": "#55a868", "completed": "#222222",
                    "dead-lettered": "#c44e52"}
 _RUN_STYLES = ("-", "--", ":", "-.")
+# Every time axis: the warm-up's start is 0, as the verdict's sentences count (the "load →"
+# mark is where the full rate began).
+TIME_AXIS = "seconds since the load started (warm-up at 0)"
 
 
 def png(figure: Figure, *, tight: bool = True) -> bytes:
@@ -58,8 +61,9 @@ def _mark_phases(ax: Axes, run: RunData, label: bool) -> None:
             x = float(start) - run.t0
             ax.axvline(x, color="#999999", linestyle=":", linewidth=1)
             if label:
-                ax.annotate(f"{phase['name']} →", (x, 1.0), xycoords=("data", "axes fraction"),
-                            xytext=(3, -11), textcoords="offset points", fontsize=8,
+                # At the foot of the axes: legends and fault names sit at the top.
+                ax.annotate(f"{phase['name']} →", (x, 0.0), xycoords=("data", "axes fraction"),
+                            xytext=(3, 3), textcoords="offset points", fontsize=8,
                             color="#666666")
 
 
@@ -83,14 +87,24 @@ def _shade_faults(ax: Axes, run: RunData, label: bool) -> list[Patch]:
     return [Patch(color=c, alpha=0.35, label=k) for k, c in kinds.items()]
 
 
-def _decorate(ax: Axes, runs: Sequence[RunData], *, first: bool) -> list[Patch]:
+def _decorate(ax: Axes, runs: Sequence[RunData], *, first: bool,
+              name_faults: bool = False) -> list[Patch]:
+    """Phases marked (named on the `first` panel), faults shaded (named where `name_faults`:
+    on a wide panel whose legend sits outside it), and one x range for every time plot."""
     handles: list[Patch] = []
     if len(runs) == 1:
         _mark_phases(ax, runs[0], label=first)
-        handles = _shade_faults(ax, runs[0], label=first)
+        handles = _shade_faults(ax, runs[0], label=name_faults)
     ax.grid(True, alpha=0.3)
-    ax.set_xlim(left=0)
+    ax.set_xlim(0, _axis_end(runs))
     return handles
+
+
+def _axis_end(runs: Sequence[RunData]) -> float | None:
+    """Where every time axis ends: the last phase's end (the drain's), on the run's axis."""
+    ends = [float(p["end"]) - run.t0 for run in runs for p in run.phases
+            if isinstance(p.get("end"), int | float) and math.isfinite(p["end"])]
+    return max(ends) if ends else None
 
 
 def _empty(ax: Axes, message: str) -> None:
@@ -115,13 +129,14 @@ def throughput_figure(runs: Sequence[RunData], width: float, end: float) -> byte
     if not drawn:
         _empty(ax, "no enqueue, delivery or worker log could be read")
         return png(figure)
-    faults = _decorate(ax, runs, first=True)
+    faults = _decorate(ax, runs, first=True, name_faults=True)
     ax.set_ylabel("per second")
-    ax.set_xlabel("seconds since the load started")
+    ax.set_xlabel(TIME_AXIS)
     ax.set_title(f"Throughput ({width:g} s bins)", loc="left", fontsize=11)
     lines, names = ax.get_legend_handles_labels()
-    ax.legend(lines + faults, names + [f"fault: {p.get_label()}" for p in faults],
-              fontsize=8, loc="upper right", ncol=2 if len(faults) > 2 else 1)
+    ax.legend(handles=[*lines, *faults],
+              labels=[*names, *(f"fault: {p.get_label()}" for p in faults)],
+              fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_ylim(bottom=0)
     return png(figure)
 
@@ -150,14 +165,14 @@ def latency_figure(runs: Sequence[RunData], width: float) -> bytes:
         _decorate(ax, runs, first=column == 0)
         ax.set_yscale("log")
         ax.set_title(name, fontsize=10)
-        ax.set_xlabel("seconds since the load started", fontsize=8)
+        ax.set_xlabel(TIME_AXIS, fontsize=8)
         if column == 0:
             ax.set_ylabel("seconds (log)")
             ax.legend(fontsize=7, loc="upper left")
         ax.tick_params(labelsize=8)
     figure.suptitle(f"Latency percentiles over time ({width:g} s bins)", x=0.01, ha="left",
                     fontsize=11)
-    figure.subplots_adjust(left=0.07, right=0.99, bottom=0.15, top=0.82, wspace=0.22)
+    figure.subplots_adjust(left=0.085, right=0.99, bottom=0.15, top=0.82, wspace=0.22)
     return png(figure, tight=False)
 
 
@@ -177,7 +192,7 @@ def load_figure(run: RunData, width: float, end: float) -> bytes:
     else:
         _empty(left, "samples.csv not available")
     left.set_title("Queue depth (sampled each second)", fontsize=10)
-    left.set_xlabel("seconds since the load started", fontsize=8)
+    left.set_xlabel(TIME_AXIS, fontsize=8)
     limits = run.limits()
     outstanding = outstanding_by_account(run, width, end)
     table = in_flight_by_account(run, width)
@@ -195,7 +210,7 @@ def load_figure(run: RunData, width: float, end: float) -> bytes:
         middle.legend(fontsize=8, loc="upper right")
         middle.set_ylim(bottom=0)
     middle.set_title("Unfinished jobs per account", fontsize=10)
-    middle.set_xlabel("seconds since the load started", fontsize=8)
+    middle.set_xlabel(TIME_AXIS, fontsize=8)
     if table.empty:
         _empty(right, "no delivery log")
     else:
@@ -215,7 +230,7 @@ def load_figure(run: RunData, width: float, end: float) -> bytes:
     # which the checker does not hold against the limit: a peak above it is a lead, not a
     # verdict.
     right.set_title("In flight at the target vs limit (dashed)", fontsize=10)
-    right.set_xlabel("seconds since the load started", fontsize=8)
+    right.set_xlabel(TIME_AXIS, fontsize=8)
     figure.tight_layout()
     return png(figure)
 
@@ -264,10 +279,10 @@ def waits_figure(run: RunData) -> bytes:
                      step="mid")
     ax.plot(connected.index, connected.to_numpy(), color="#333333", linewidth=0.8,
             linestyle="--", label="connected sessions")
-    _decorate(ax, [run], first=True)
+    _decorate(ax, [run], first=True, name_faults=True)
     ax.set_ylim(bottom=0)
     ax.set_ylabel("sessions")
-    ax.set_xlabel("seconds since the load started")
+    ax.set_xlabel(TIME_AXIS)
     ax.set_title("PostgreSQL sessions by wait event (pg_stat_activity, once a second; CPU = "
                  "active, waiting on nothing)", loc="left", fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
