@@ -195,6 +195,20 @@ def _headline(run: RunData) -> str | None:
     return "; ".join(parts) or None
 
 
+def _skipped_faults_html(run: RunData) -> str:
+    """Faults of the schedule that did not run (a restart against a server the harness does
+    not own, a kill with no lease to hit): a reader must not take their absence for a pass."""
+    skipped = [f for f in run.faults if f.get("skipped")]
+    if not skipped:
+        return ""
+    items = "".join(
+        f"<li>{_e(f.get('fault'))} at {float(f['start']) - run.t0:.1f} s: "
+        f"{_e(f.get('skipped'))}</li>" for f in skipped[:20])
+    more = f"<li>and {len(skipped) - 20} more</li>" if len(skipped) > 20 else ""
+    return (f"<p><b>Faults scheduled but not applied ({len(skipped)})</b></p>"
+            f"<ul>{items}{more}</ul>")
+
+
 def _verdict_html(run: RunData) -> str:
     verdict = run.verdict or {}
     reasons = verdict.get("unknown_reasons") or []
@@ -203,6 +217,7 @@ def _verdict_html(run: RunData) -> str:
         f'<div class="verdict">{_badge(verdict.get("valid"), run.verdict is not None)}'
         f'<span class="summary">{_e(_summary_sentence(run))}</span>'
         + (f"<p class='headline'>{_e(line)}</p>" if (line := _headline(run)) else "")
+        + _skipped_faults_html(run)
         + (f"<p><b>Why unknown</b></p><ul>{unknown}</ul>" if unknown else "")
         + (f"<div style='margin-top:10px'>{_counts_table(run)}</div>" if run.verdict else "")
         + "</div>"

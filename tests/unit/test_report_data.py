@@ -153,3 +153,15 @@ def test_a_page_that_cannot_be_written_leaves_no_partial_file(
     with pytest.raises(OSError, match="No space left"):
         write_index("gate", [], tmp_path / "report.html")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_faults_that_were_skipped_are_said_beside_the_verdict(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path)
+    (run / "nemesis.jsonl").write_text(
+        json.dumps({"fault": "restart_postgres", "start": T0 + 3, "end": T0 + 3,
+                    "skipped": "needs a PostgreSQL the harness started"}) + "\n"
+        + json.dumps({"fault": "kill_worker", "start": T0 + 1, "end": T0 + 1.01,
+                      "target": "worker-0"}) + "\n")
+    page = render([load_run(run)])
+    assert "<b>Faults scheduled but not applied (1)</b>" in page
+    assert "<li>restart_postgres at 3.0 s: needs a PostgreSQL the harness started</li>" in page
