@@ -163,6 +163,27 @@ def _read(path: Path) -> dict[str, Any]:
     return doc
 
 
+def spread(path: Path, doc: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """{figure: (lowest, highest)} over the rounds a result kept (`bench queue --rounds`),
+    for figures every round has; empty for a result of one round."""
+    rounds = doc.get("rounds")
+    if not isinstance(rounds, list) or len(rounds) < 2:
+        return {}
+    kind = str(doc.get("benchmark"))
+    values: dict[str, list[float]] = {}
+    for number, one in enumerate(rounds):
+        if not isinstance(one, dict):
+            raise UsageError(f"{path}: round {number + 1} is not an object")
+        _, found = figures(path, {**one, "benchmark": kind})
+        for name, (value, _higher) in found.items():
+            values.setdefault(name, []).append(value)
+    return {name: (min(v), max(v)) for name, v in values.items() if len(v) == len(rounds)}
+
+
+def _overlap(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bool:
+    return a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]
+
+
 def figures(path: Path, doc: dict[str, Any]) -> tuple[str, dict[str, tuple[float, bool]]]:
     """(benchmark, {figure: (value, higher is better)}) of a result file read from `path`;
     UsageError for a file that is not a result skiplock can compare."""
@@ -193,7 +214,9 @@ def run(args: argparse.Namespace) -> int:
     new_kind, new = figures(args.new, new_doc)
     if base_kind != new_kind:
         raise UsageError(f"cannot compare a {base_kind} result with a {new_kind} result")
-    differences = setting_differences(base_doc, new_doc)
+    noise = (spread(args.base, base_doc), spread(args.new, new_doc))
+    differences = [d for d in setting_differences(base_doc, new_doc)
+                   if not d.startswith("params.rounds ")]
     if differences:
         said = "; ".join(differences)
         if args.strict:
@@ -211,7 +234,10 @@ def run(args: argparse.Namespace) -> int:
         (b, higher), (n, _) = base[name], new[name]
         worse = change(b, n, higher)
         verdict = ""
-        if worse > threshold:
+        if _overlap(noise[0].get(name), noise[1].get(name)):
+            # The rounds of the two results overlap: whatever the median moved, it is noise.
+            verdict = "within noise"
+        elif worse > threshold:
             verdict = "REGRESSION"
             regressions.append(name)
         elif worse < -threshold:
@@ -224,5 +250,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(regressions)} figure(s) worse by more than {threshold:.0%}: "
               f"{', '.join(regressions)}")
         return 1
-    print(f"no figure worse by more than {threshold:.0%}")
+    if any(noise):
+        print(f"no figure worse by more than {threshold:.0%} beyond the spread of the rounds"
+              " measured")
+    else:
+        print(f"no figure worse by more than {threshold:.0%} (one round each: the noise is"
+              " unknown; `bench queue --rounds 3` measures it)")
     return 0

@@ -122,6 +122,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "embedded)",
     )
     parser.add_argument(
+        "--rounds", type=int, default=1,
+        help=f"measure every phase this many times, alternating (1 to {MAX_ROUNDS}; default"
+        " 1): the result keeps each round, so `skiplock compare` can tell noise from a change",
+    )
+    parser.add_argument(
         "--dsn", default=None, help="PostgreSQL DSN (default: SKIPLOCK_PG_DSN, else embedded)"
     )
     parser.add_argument(
@@ -144,6 +149,8 @@ def validate(args: argparse.Namespace) -> Params:
         prefill = max(PREFILL_MIN, int(PREFILL_JOBS_PER_SECOND * args.duration))
     if prefill <= 0:
         raise UsageError(f"--prefill must be a positive integer, got {prefill}")
+    if not 1 <= getattr(args, "rounds", 1) <= MAX_ROUNDS:
+        raise UsageError(f"--rounds must be from 1 to {MAX_ROUNDS}, got {args.rounds}")
     return Params(
         workers=args.workers, batch=args.batch, duration=float(args.duration), prefill=prefill
     )
@@ -184,24 +191,21 @@ def run(args: argparse.Namespace) -> int:
             f"durability={args.durability} ({DURABILITY[args.durability]})"
         )
         dsn = session_dsn(server.dsn, args.durability)
-        if against == "bullmq":
-            # Reached before the PostgreSQL phases: a bad Redis URL is said at once.
-            from skiplock.scenarios.bench_bullmq import bullmq_phase, redis_for, redis_record
+        with contextlib.ExitStack() as stack:
+            redis = None
+            if against == "bullmq":
+                # Reached before the PostgreSQL phases: a bad Redis URL is said at once.
+                from skiplock.scenarios.bench_bullmq import redis_for
 
-            with redis_for(args.redis_url, args.durability, _say) as redis:
-                result = measure(dsn, params)
-                other = {**bullmq_phase(redis.url, workers=params.workers, batch=params.batch,
-                                        duration=params.duration, prefill=params.prefill,
-                                        say=_say),
-                         "redis": redis_record(redis)}
-        else:
-            result, other = measure(dsn, params), None
-            if against == "pgqueuer":
-                from skiplock.scenarios.bench_pgqueuer import pgqueuer_phase
-
-                other = pgqueuer_phase(dsn, workers=params.workers,
-                                       batch=params.batch, duration=params.duration,
-                                       prefill=params.prefill, say=_say)
+                redis = stack.enter_context(redis_for(args.redis_url, args.durability, _say))
+            rounds = []
+            for number in range(args.rounds):
+                if args.rounds > 1:
+                    _say(f"round {number + 1} of {args.rounds}")
+                rounds.append(_one_round(dsn, params, against, redis))
+    # The round whose PgQueue rate is the median stands for the result; every round is kept.
+    result, other = sorted(rounds, key=lambda r: r[0]["queue"].jobs_per_second)[
+        len(rounds) // 2]
     ratio = (
         result["queue"].jobs_per_second / result["ceiling"].jobs_per_second
         if result["ceiling"].jobs_per_second > 0
@@ -210,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     doc = {
         "benchmark": "queue",
         "finished_at": datetime.now(UTC).isoformat(),
-        "params": asdict(params),
+        "params": {**asdict(params), "rounds": args.rounds},
         "durability": args.durability,
         # Durable only if every store measured was: a Redis given by URL may run relaxed.
         "durable": (settings["durable"] and args.durability == "fsync"
@@ -223,14 +227,14 @@ def run(args: argparse.Namespace) -> int:
         "queue": asdict(result["queue"]),
         "ceiling": asdict(result["ceiling"]),
         "ratio": ratio,
-        **({against: other,
-            f"ratio_to_{against}": (result["queue"].jobs_per_second / other["jobs_per_second"]
-                                    if other["jobs_per_second"] > 0 else None)}
-           if other and against else {}),
+        **(_versus(result, other, against) if other and against else {}),
+        "rounds": [_round_figures(r, o, against) for r, o in rounds],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     _print_summary(result["queue"], result["ceiling"], ratio)
+    if len(rounds) > 1:
+        _say_rounds(doc["rounds"], against)
     if other is not None and against is not None:
         how = "its QueueManager" if against == "pgqueuer" else "its Worker"
         _say(f"{against} {other['version']} ({how}): "
@@ -343,6 +347,59 @@ def _print_summary(queue: PhaseResult, ceiling: PhaseResult, ratio: float | None
         _say(CEILING_BEATEN)
     if queue.ran_dry or ceiling.ran_dry:
         _say("warning: a phase ran out of due jobs; raise --prefill and run again")
+
+
+MAX_ROUNDS = 20
+
+
+def _one_round(dsn: str, params: Params, against: str | None,
+               redis: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The reference's two phases, then the other queue's, if any."""
+    result = measure(dsn, params)
+    other: dict[str, Any] | None = None
+    if against == "bullmq":
+        from skiplock.scenarios.bench_bullmq import bullmq_phase, redis_record
+
+        other = {**bullmq_phase(redis.url, workers=params.workers, batch=params.batch,
+                                duration=params.duration, prefill=params.prefill, say=_say),
+                 "redis": redis_record(redis)}
+    elif against == "pgqueuer":
+        from skiplock.scenarios.bench_pgqueuer import pgqueuer_phase
+
+        other = pgqueuer_phase(dsn, workers=params.workers, batch=params.batch,
+                               duration=params.duration, prefill=params.prefill, say=_say)
+    return result, other
+
+
+def _versus(result: dict[str, Any], other: dict[str, Any], against: str) -> dict[str, Any]:
+    return {against: other,
+            f"ratio_to_{against}": (result["queue"].jobs_per_second / other["jobs_per_second"]
+                                    if other["jobs_per_second"] > 0 else None)}
+
+
+def _round_figures(result: dict[str, Any], other: dict[str, Any] | None,
+                   against: str | None) -> dict[str, Any]:
+    """One round's figures, shaped as the result's own (so a reader takes them alike)."""
+    queue, ceiling = result["queue"].jobs_per_second, result["ceiling"].jobs_per_second
+    figures: dict[str, Any] = {"queue": {"jobs_per_second": queue},
+                               "ceiling": {"jobs_per_second": ceiling},
+                               "ratio": queue / ceiling if ceiling > 0 else None}
+    if other is not None and against is not None:
+        versus = _versus(result, other, against)
+        figures |= {against: {"jobs_per_second": other["jobs_per_second"]},
+                    f"ratio_to_{against}": versus[f"ratio_to_{against}"]}
+    return figures
+
+
+def _say_rounds(rounds: Sequence[dict[str, Any]], against: str | None) -> None:
+    def each(value: Callable[[dict[str, Any]], float | None]) -> str:
+        return ", ".join("-" if (v := value(r)) is None else f"{v:,.2f}" if v < 10
+                         else f"{v:,.0f}" for r in rounds)
+
+    _say(f"by round: PgQueue jobs/s {each(lambda r: r['queue']['jobs_per_second'])}; "
+         f"ratio queue/ceiling {each(lambda r: r['ratio'])}"
+         + (f"; ratio PgQueue/{against} {each(lambda r: r[f'ratio_to_{against}'])}"
+            if against else ""))
 
 
 # --- the measurement ---------------------------------------------------------------------

@@ -153,3 +153,32 @@ def test_every_system_in_a_result_is_compared(
     out = capsys.readouterr().out
     assert "bullmq (jobs/s)" in out and "REGRESSION" in out
     assert "ratio reference / bullmq" in out
+
+
+def _queue_result(rates: list[float]) -> dict[str, Any]:
+    rounds = [{"queue": {"jobs_per_second": r}, "ceiling": {"jobs_per_second": 2500.0},
+               "ratio": r / 2500.0} for r in rates]
+    median = sorted(rounds, key=lambda r: r["queue"]["jobs_per_second"])[len(rounds) // 2]
+    return {"benchmark": "queue", "params": {"rounds": len(rates)}, **median,
+            "rounds": rounds}
+
+
+def test_a_change_inside_the_rounds_spread_is_within_noise(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Back-to-back runs of the same code: medians 26 % apart, rounds overlapping.
+    base = _queue_result([2600.0, 2900.0, 2000.0])
+    new = _queue_result([2100.0, 1950.0, 2700.0])
+    assert cli.main(["compare", write(tmp_path / "a.json", base),
+                     write(tmp_path / "b.json", new)]) == 0
+    out = capsys.readouterr().out
+    assert "within noise" in out and "REGRESSION" not in out
+    assert "beyond the spread of the rounds" in out
+
+
+def test_a_change_beyond_every_round_is_a_regression(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = _queue_result([2600.0, 2700.0, 2650.0])
+    new = _queue_result([1800.0, 1900.0, 1850.0])
+    assert cli.main(["compare", write(tmp_path / "a.json", base),
+                     write(tmp_path / "b.json", new)]) == 1
+    assert "REGRESSION" in capsys.readouterr().out
