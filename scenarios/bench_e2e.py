@@ -68,9 +68,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "/s of duration)")
     parser.add_argument("--barrier", action="store_true",
                         help="phase 2 with the batch barrier instead of slot refills")
-    parser.add_argument("--against", choices=["bullmq"], default=None,
+    parser.add_argument("--against", choices=["bullmq", "pgqueuer"], default=None,
                         help="phase 3: the same path with BullMQ as the queue (its own Worker, "
-                             "skiplock's delivery, the same target)")
+                             "skiplock's delivery, the same target), or pgqueuer's own "
+                             "QueueManager whose entrypoint POSTs each job with aiohttp")
     parser.add_argument("--durability", choices=list(bench_queue.DURABILITY), default="fsync",
                         help="fsync: every commit and Redis write waits for its fsync "
                              "(default); relaxed: synchronous_commit=off sessions and "
@@ -97,7 +98,11 @@ def _validate(args: argparse.Namespace) -> tuple[bench_queue.Params, Path]:
         from skiplock.scenarios.bench_bullmq import require_bullmq
 
         require_bullmq()
-    elif args.redis_url is not None:
+    elif args.against == "pgqueuer":
+        from skiplock.scenarios.bench_pgqueuer import require_pgqueuer
+
+        require_pgqueuer()
+    if args.against != "bullmq" and args.redis_url is not None:
         raise UsageError("--redis-url is only used with --against bullmq")
     out = args.out or Path("bench-results") / f"e2e-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
     if out.is_dir():
@@ -110,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     params, out = _validate(args)
     run_id = uuid.uuid4().hex[:8]
     schemas = [f"bench_q_{run_id}", f"bench_e_{run_id}"]
-    bullmq: dict[str, Any] | None = None
+    other: dict[str, Any] | None = None
     with postgres(args.dsn, durable=True) as server:
         settings = server.settings()
         _say(f"server: {server.kind} {server.display}, PostgreSQL {settings['server_version']}"
@@ -139,22 +144,28 @@ def run(args: argparse.Namespace) -> int:
                 from skiplock.scenarios.bench_bullmq import bullmq_e2e_phase, redis_record
 
                 _say("phase 3, BullMQ end to end")
-                bullmq = {"redis": redis_record(redis),
-                          **asdict(bullmq_e2e_phase(redis.url, params, _say))}
+                other = {"redis": redis_record(redis),
+                         **asdict(bullmq_e2e_phase(redis.url, params, _say))}
+            elif args.against == "pgqueuer":
+                from skiplock.scenarios.bench_pgqueuer import pgqueuer_e2e_phase
+
+                _say("phase 3, pgqueuer end to end")
+                other = pgqueuer_e2e_phase(dsn, params, _say)
     ratio = e2e.jobs_per_second / queue.jobs_per_second if queue.jobs_per_second else None
     doc = {"benchmark": "e2e", "finished_at": datetime.now(UTC).isoformat(),
            "params": {**asdict(params), "refill": not args.barrier},
            "durability": args.durability,
            "durable": (settings["durable"] and args.durability == "fsync"
-                       and (bullmq is None or bool(bullmq["redis"]["durable"]))),
+                       and (other is None or "redis" not in other
+                            or bool(other["redis"]["durable"]))),
            "postgres": {**settings, "session_synchronous_commit": (
                "off" if args.durability == "relaxed" else settings["synchronous_commit"])},
            "server": {"kind": server.kind, "dsn": server.display}, **describe(),
            "queue": asdict(queue), "e2e": asdict(e2e), "ratio": ratio}
-    if bullmq is not None:
-        doc["bullmq"] = bullmq
-        doc["ratio_to_bullmq"] = (e2e.jobs_per_second / bullmq["jobs_per_second"]
-                                  if bullmq["jobs_per_second"] else None)
+    if other is not None and args.against is not None:
+        doc[args.against] = other
+        doc[f"ratio_to_{args.against}"] = (e2e.jobs_per_second / other["jobs_per_second"]
+                                           if other["jobs_per_second"] else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     _print_summary(doc)
@@ -192,12 +203,13 @@ def _print_summary(doc: Mapping[str, Any]) -> None:
     _say(_e2e_line("end to end ", doc["e2e"]))
     _say(_cpu_per_job(doc["e2e"]))
     _say(f"ratio end to end / queue only: {'-' if ratio is None else f'{ratio:.2f}'}")
-    if "bullmq" in doc:
-        _say(_e2e_line("BullMQ e2e ", doc["bullmq"]))
-        _say(_cpu_per_job(doc["bullmq"]))
-        other = doc["ratio_to_bullmq"]
-        _say(f"ratio PgQueue end to end / BullMQ end to end: "
-             f"{'-' if other is None else f'{other:.2f}'}")
+    for system, label in (("bullmq", "BullMQ"), ("pgqueuer", "pgqueuer")):
+        if system in doc:
+            _say(_e2e_line(f"{label} e2e".ljust(11), doc[system]))
+            _say(_cpu_per_job(doc[system]))
+            other = doc[f"ratio_to_{system}"]
+            _say(f"ratio PgQueue end to end / {label} end to end: "
+                 f"{'-' if other is None else f'{other:.2f}'}")
 
 
 def e2e_phase(dsn: str, schema: str, params: bench_queue.Params, *,

@@ -17,6 +17,7 @@ is bad input, said before anything runs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from datetime import timedelta
 from typing import Any
@@ -148,3 +149,126 @@ def pgqueuer_phase(dsn: str, *, workers: int, batch: int, duration: float,
     return {"jobs": jobs, "seconds": duration, "jobs_per_second": jobs / duration,
             "ran_dry": left == 0, "version": version,
             "driver": "pgqueuer QueueManager (asyncpg), multiprocess fork"}
+
+
+# --- end to end: pgqueuer's QueueManager posting each job to the same echo target ----------
+
+E2E_HEADERS = ("kind", "time", "job_id")
+
+
+async def _prefill_deliveries(dsn: str, count: int) -> None:
+    """`count` jobs whose payload is what the reference's prefill gives each job."""
+    import json
+
+    from pgqueuer.db import PsycopgDriver
+    from pgqueuer.queries import Queries
+
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    try:
+        queries = Queries(PsycopgDriver(conn))
+        await queries.install()
+        for first in range(0, count, ENQUEUE_CHUNK):
+            numbers = range(first, min(count, first + ENQUEUE_CHUNK))
+            await queries.enqueue([ENTRYPOINT] * len(numbers),
+                                  [json.dumps({"n": n}).encode() for n in numbers],
+                                  [0] * len(numbers))
+        await conn.execute("VACUUM ANALYZE")
+        await conn.execute("CHECKPOINT")
+    finally:
+        await conn.close()
+
+
+async def _deliver(dsn: str, target_url: str, batch: int, duration: float, events_path: str,
+                   ready: Any, go: Any) -> None:
+    """pgqueuer as its users deploy it, doing the dispatcher's work: its own QueueManager
+    (asyncpg), an entrypoint making one plain aiohttp POST per job, `batch` at a time. Each
+    job's entry and return are logged as `claim` and `write` rows, the columns the
+    dispatcher's window is judged on."""
+    import csv
+
+    import aiohttp
+    import asyncpg
+    from pgqueuer.db import AsyncpgDriver
+    from pgqueuer.domain.types import QueueExecutionMode
+    from pgqueuer.qm import QueueManager
+    from pgqueuer.queries import Queries
+
+    from skiplock.queue_impl.interface import ATTEMPT_HEADER, JOB_ID_HEADER
+    from skiplock.queue_impl.pgqueuer_backend import asyncpg_params
+
+    conn = await asyncpg.connect(**asyncpg_params(dsn))
+    with open(events_path, "w", newline="") as log:
+        rows = csv.writer(log)
+        rows.writerow(E2E_HEADERS)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session:
+            manager = QueueManager(Queries(AsyncpgDriver(conn)))
+
+            @manager.entrypoint(ENTRYPOINT, concurrency_limit=batch)
+            async def handle(job: Any) -> None:
+                job_id = str(job.id)
+                rows.writerow(("claim", time.time(), job_id))
+                async with session.post(target_url, data=job.payload, headers={
+                        JOB_ID_HEADER: job_id, ATTEMPT_HEADER: "1",
+                        "Content-Type": "application/json"}) as answer:
+                    await answer.read()
+                    answer.raise_for_status()
+                rows.writerow(("write", time.time(), job_id))
+
+            ready.release()
+            while not go.is_set():
+                await asyncio.sleep(0.005)
+            asyncio.get_running_loop().call_later(duration, manager.shutdown.set)
+            try:
+                await manager.run(batch_size=batch, mode=QueueExecutionMode.continuous,
+                                  dequeue_timeout=timedelta(seconds=1),
+                                  log_aggregation_interval=timedelta(0))
+            finally:
+                await conn.close()
+
+
+def _deliver_worker(dsn: str, target_url: str, batch: int, duration: float, events_path: str,
+                    ready: Any, go: Any) -> None:
+    from skiplock.plumbing.orphans import name_this_process
+
+    name_this_process("skiplock-worker")
+    asyncio.run(_deliver(dsn, target_url, batch, duration, events_path, ready, go))
+
+
+def pgqueuer_e2e_phase(dsn: str, params: Any, say: Any) -> Any:
+    """`bench e2e`'s full path with pgqueuer as the queue and its own loop: W processes each
+    run a QueueManager whose entrypoint posts the job to the same echo target (in its own
+    process) with a plain aiohttp session, `batch` in flight; judged by the same window as
+    the dispatcher's phase (jobs whose call returned in it, entry to return, CPU)."""
+    import tempfile
+    from pathlib import Path
+
+    import multiprocess
+
+    from skiplock.chaos.target import TargetProcess
+    from skiplock.scenarios.bench_e2e import judge_window, timed_window
+
+    version = require_pgqueuer()
+    with tempfile.TemporaryDirectory(prefix="skiplock-bench-pgqueuer-") as tmp:
+        events = Path(tmp) / "workers"
+        events.mkdir()
+        with fresh_database(dsn, prefix="skiplock_pgqueuer") as own, \
+                TargetProcess(Path(tmp), name="target-0") as target:
+            say(f"prefill: {params.prefill} jobs for the pgqueuer phase (pgqueuer {version})")
+            asyncio.run(_prefill_deliveries(own, params.prefill))
+            ctx = multiprocess.get_context("spawn")
+            ready = ctx.Semaphore(0)
+            go = ctx.Event()
+            procs = [ctx.Process(target=_deliver_worker,
+                                 args=(own, target.deliver_url, params.batch, params.duration,
+                                       str(events / f"worker-{i}.csv"), ready, go),
+                                 name=f"pgqueuer-{i}", daemon=True)
+                     for i in range(params.workers)]
+            with processes_in_step(procs, ready, what="pgqueuer",
+                                   join_seconds=params.duration + 60):
+                say(f"pgqueuer end to end: {params.workers} QueueManager processes, "
+                    f"{params.batch} in flight each, {params.duration:g} s")
+                go.set()
+                window = timed_window([p.pid for p in procs], target.pid, params.duration)
+        result = judge_window(events, window, params)
+    return {**dataclasses.asdict(result), "version": version,
+            "driver": "pgqueuer QueueManager (asyncpg), entrypoint POSTing with aiohttp"}

@@ -49,3 +49,29 @@ def test_bench_e2e_against_bullmq_relaxed_runs_all_three_phases(
         row = conn.execute(
             "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'bench\\_%'").fetchone()
     assert row == (0,)
+
+
+def test_bench_e2e_against_pgqueuer_runs_its_queue_manager_over_http(
+        pg_dsn: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "e2e.json"
+    parser = argparse.ArgumentParser()
+    bench_e2e.configure(parser)
+    args = parser.parse_args(["--workers", "2", "--batch", "5", "--duration", "1",
+                              "--prefill", "2000", "--against", "pgqueuer",
+                              "--dsn", pg_dsn, "--out", str(out)])
+    assert bench_e2e.run(args) == 0
+    captured = capfd.readouterr()
+    assert "Traceback" not in captured.err and "Unclosed" not in captured.err, captured.err
+    doc = json.loads(out.read_text())
+    # pgqueuer's entrypoint made real calls to the echo target, and was timed like ours.
+    assert 0 < doc["pgqueuer"]["jobs"] <= 2000
+    assert 0 < doc["pgqueuer"]["job_p50_ms"] <= doc["pgqueuer"]["job_p99_ms"]
+    assert doc["pgqueuer"]["target_cpu_seconds"] > 0
+    assert doc["pgqueuer"]["version"]
+    assert doc["ratio_to_pgqueuer"] == pytest.approx(
+        doc["e2e"]["jobs_per_second"] / doc["pgqueuer"]["jobs_per_second"])
+    assert "ratio PgQueue end to end / pgqueuer end to end" in captured.out
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_database"
+                           " WHERE datname LIKE 'skiplock\\_pgqueuer%'").fetchone()
+    assert row == (0,)
