@@ -40,7 +40,10 @@ def test_bench_queue_writes_a_self_describing_result(pg_dsn: str, tmp_path: Path
     )
     assert bench_queue.run(args) == 0
     doc = json.loads(out.read_text())
-    assert doc["params"] == {"workers": 2, "batch": 5, "duration": 1.0, "prefill": 3000}
+    assert doc["params"] == {"workers": 2, "batch": 5, "duration": 1.0, "prefill": 3000,
+                             "fill": "vacuumed", "rounds": 1}
+    assert len(doc["rounds"]) == 1 and doc["rounds"][0]["queue"]["jobs_per_second"] == (
+        doc["queue"]["jobs_per_second"])
     for phase in ("queue", "ceiling"):
         assert doc[phase]["jobs"] > 0, f"{phase} completed no job"
         assert doc[phase]["cycles"] > 0

@@ -27,6 +27,8 @@ def _args(*argv: str) -> argparse.Namespace:
         (["--duration", "0"], "--duration must be a positive number"),
         (["--duration", "nan"], "--duration must be a positive number"),
         (["--prefill", "0"], "--prefill must be a positive integer"),
+        (["--rounds", "0"], "--rounds must be from 1 to 20"),
+        (["--rounds", "21"], "--rounds must be from 1 to 20"),
     ],
 )
 def test_non_positive_inputs_are_refused_in_one_line(argv: list[str], message: str) -> None:
@@ -35,6 +37,11 @@ def test_non_positive_inputs_are_refused_in_one_line(argv: list[str], message: s
     assert message in str(caught.value)
     assert "\n" not in str(caught.value)
     assert UsageError.exit_code == 2
+
+
+def test_the_backlog_is_vacuumed_unless_asked_fresh() -> None:
+    assert bench_queue.validate(_args()).fill == "vacuumed"
+    assert bench_queue.validate(_args("--fill", "fresh")).fill == "fresh"
 
 
 def test_prefill_defaults_to_enough_for_the_duration() -> None:
