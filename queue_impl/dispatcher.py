@@ -62,6 +62,7 @@ from skiplock.queue_impl.interface import (
     LEASE_HEADER,
     WORKER_HEADER,
     AttemptResult,
+    ConfirmsReceipt,
     Lease,
     Outcome,
     QueueBackend,
@@ -94,7 +95,7 @@ _FILE_KEYS = frozenset({*FAILPOINT_NAMES, PAUSE_IN_CLAIM, PAUSE_IN_CLAIM_SECONDS
 FAILPOINT_EXIT_CODE = 77
 
 # The backend call an `error` event names (see `Dispatcher._call_failed`).
-FailedOp = Literal["recover", "claim", "finish", "renew", "release", "wait"]
+FailedOp = Literal["recover", "claim", "receive", "finish", "renew", "release", "wait"]
 
 HttpResultName = Literal["ok", "http_error", "timeout", "connection_error", "refused"]
 
@@ -104,6 +105,13 @@ LEASE_TOO_SHORT = "lease too short to send"
 # A failed result write is sent again after these pauses (it is fenced, so a resend of a write
 # that did commit changes nothing), then given up as unknown.
 WRITE_RETRY_PAUSES = (0.05, 0.25)
+# A receipt that failed is sent again after pauses growing from the first by this factor up to
+# the last, for as long as the claim's calls would still fit in its leases (`_receive`).
+RECEIPT_RETRY_FIRST = 0.05
+RECEIPT_RETRY_FACTOR = 2.0
+RECEIPT_RETRY_LAST = 1.0
+# The `reason` of a `release` event for leases given back because their receipt never landed.
+NOT_RECEIVED = "receipt not confirmed"
 # With fewer than half its slots free and calls in flight, a worker waits this long for more
 # slots to free before claiming, so that a busy worker claims in batches, not one by one.
 REFILL_GATHER_SECONDS = 0.01
@@ -580,7 +588,7 @@ class Dispatcher:
                 if leases is None:
                     continue
                 if leases:
-                    self._start_calls(leases, claim_sent)
+                    await self._start_calls(leases, claim_sent)
                     if self.stopping or len(leases) == free:
                         continue
                 # Nothing (more) is due. Idle, wait for a notification; busy, for a slot to
@@ -610,13 +618,17 @@ class Dispatcher:
             for wait in waits:
                 wait.cancel()
 
-    def _start_calls(self, leases: list[Lease], claim_sent: float) -> None:
-        """Log the claim, then start each call (unless a stop came, or the claim took so long
-        that too little of its leases is surely left: those are given back unsent)."""
+    async def _start_calls(self, leases: list[Lease], claim_sent: float) -> None:
+        """Log the claim, confirm its receipt, then start each call (unless a stop came, or
+        the claim took so long that too little of its leases is surely left: those are given
+        back unsent)."""
         send, reason = self._log_claim(leases, claim_sent)
         if not send:
             self._spawn(self._release(leases, reason=reason))
             return
+        leases = await self._receive(leases, claim_sent)
+        for lease in leases:
+            self._failpoint("crash_after_claim", lease)
         for lease in leases:
             self._held[lease.lease_token] = _Held(lease=lease, granted_after=claim_sent)
             self._spawn(self._call_and_queue(lease.lease_token))
@@ -704,15 +716,13 @@ class Dispatcher:
                 self.emit("renew", **renew_event(lease, answer.locked_until))
 
     def _log_claim(self, leases: Sequence[Lease], claim_sent: float) -> tuple[bool, str | None]:
-        """Log a claim's events and pass its failpoints; then (send, release reason): send
-        unless a stop came (give the leases back, no reason) or too little of them is surely
-        left (give them back with LEASE_TOO_SHORT; the release is fenced where a lease passed
-        on)."""
+        """Log a claim's events; then (send, release reason): send unless a stop came (give
+        the leases back, no reason) or too little of them is surely left (give them back with
+        LEASE_TOO_SHORT; the release is fenced where a lease passed on). The leases to send
+        are then received (`_receive`) and pass the crash_after_claim failpoint."""
         claimed_at = time.monotonic()
         for lease in leases:
             self.emit("claim", **claim_event(lease))
-        for lease in leases:
-            self._failpoint("crash_after_claim", lease)
         if self.stopping:
             return False, None
         if not self._lease_fits(leases, claim_sent, claimed_at):
@@ -787,6 +797,41 @@ class Dispatcher:
             await self._sleep_unless_stopping(self.config.poll_seconds)
             return None
 
+    async def _receive(self, leases: list[Lease], claim_sent: float) -> list[Lease]:
+        """The leases to call: those the queue confirms received (`ConfirmsReceipt`; a
+        queue without receipts: all). Only a received lease counts as an attempt, so nothing
+        is called before its receipt has committed. A receipt that fails may have committed or
+        not: it is sent again (marking twice changes nothing) while the calls would still fit
+        in what is surely left of the leases; given up, the leases are released (the attempt
+        given back, whether or not a receipt landed) or, failing that, left to expire. A lease
+        the receipt finds gone (recovery took it back) is not called."""
+        if not isinstance(self.backend, ConfirmsReceipt):
+            return leases
+        pause = RECEIPT_RETRY_FIRST
+        while True:
+            try:
+                answers = await asyncio.to_thread(self.backend.receive, leases)
+                break
+            except Exception as exc:
+                self._call_failed("receive", "confirming a claim's receipt failed", exc)
+                await self._reconnect()
+                left = lease_left(self.config.lease_seconds, granted_after=claim_sent,
+                                  now=time.monotonic() + pause)
+                if left < self.config.http_timeout_seconds + self.config.write_margin_seconds:
+                    await self._release(leases, reason=NOT_RECEIVED)
+                    return []
+                await asyncio.sleep(pause)
+                pause = min(pause * RECEIPT_RETRY_FACTOR, RECEIPT_RETRY_LAST)
+        received = [lease for lease, answer in zip(leases, answers, strict=True)
+                    if answer is WriteResult.APPLIED]
+        if len(received) < len(leases):
+            _log(f"{self.worker_id}: {len(leases) - len(received)} claimed job(s) were taken "
+                 "back before their receipt landed; not calling them")
+        if received and not self._lease_fits(received, claim_sent, time.monotonic()):
+            await self._release(received, reason=LEASE_TOO_SHORT)
+            return []
+        return received
+
     async def _reconnect(self) -> None:
         """Close the backend; it reconnects lazily on its next call."""
         try:
@@ -804,6 +849,11 @@ class Dispatcher:
         if not send:
             await self._release(leases, reason=reason)
             return
+        leases = await self._receive(leases, claim_sent)
+        if not leases:
+            return
+        for lease in leases:
+            self._failpoint("crash_after_claim", lease)
         current: dict[int, Lease] = dict(enumerate(leases))
         tasks = [asyncio.create_task(self._deliverer.deliver(lease)) for lease in leases]
         written = asyncio.Event()

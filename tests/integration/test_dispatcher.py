@@ -108,6 +108,8 @@ class EchoServer:
             response = web.Response(status=302, headers={"Location": self.url("/landing")})
         elif request.path == "/flaky":
             response = web.Response(status=503 if seen == 1 else 200)
+        elif request.path == "/fail-twice":
+            response = web.Response(status=503 if seen <= 2 else 200)
         elif request.path == "/bad":
             response = web.Response(status=400)
         elif request.path == "/slow":
@@ -905,3 +907,65 @@ def test_worker_command_with_a_bad_events_dir_leaves_the_database_untouched(
             "SELECT 1 FROM information_schema.schemata WHERE schema_name = %s", (fresh_schema,)
         ).fetchone()
     assert row is None, "the queue schema was created before the bad input was refused"
+
+
+class GhostClaims(PgQueue):
+    """Its first `ghosts` claims that take rows commit, then lose their session before the
+    worker reads them: the claim's own session is ended with pg_terminate_backend right after
+    its COMMIT, and the worker gets the error a terminated session gives."""
+
+    def __init__(self, dsn: str, *, schema: str, ghosts: int,
+                 sql: str | Path | None = None) -> None:
+        super().__init__(dsn, schema=schema, sql=sql)
+        self.dsn = dsn
+        self.ghosts = ghosts
+        self.claim_result_hook = self._terminate
+
+    def _terminate(self) -> None:
+        if not self.ghosts:
+            return
+        self.ghosts -= 1
+        pid = self.backend_pids()["lease"]
+        with psycopg.connect(self.dsn, autocommit=True) as admin:
+            # Waits (up to 5 s) until the session is gone.
+            [[ended]] = admin.execute("SELECT pg_terminate_backend(%s, 5000)", [pid]).fetchall()
+        assert ended
+        raise psycopg.errors.AdminShutdown("terminating connection due to administrator command")
+
+
+def _ghost_run(queue: Queue, server: EchoServer, sql: Path | None
+               ) -> tuple[JobState, list[Event], list[dict[str, Any]], int]:
+    """A job scripted 503, 503, 200 with max_attempts 3, whose first two claims are ghosts."""
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
+    [job] = enqueue(queue, server.url("/fail-twice"))
+    backend = GhostClaims(queue.dsn, schema=queue.schema, ghosts=2, sql=sql)
+    states, events = run_until(queue, config, all_terminal, backend=backend, limit=30)
+    attempts = [row for row in queue.attempts_log() if row["job_id"] == job.id]
+    return states[job.id], events, attempts, len(server.hits_for(job.id))
+
+
+def test_a_claim_whose_result_was_lost_with_its_session_uses_no_attempt(
+    queue: Queue, server: EchoServer
+) -> None:
+    state, events, attempts, hits = _ghost_run(queue, server, None)
+    # The worker saw two failed claims, never their leases ...
+    assert [f["op"] for kind, f in events if kind == "error"] == ["claim", "claim"]
+    # ... both had committed, expired unreceived and were given back, attempt unchanged ...
+    unreceived = [a for a in attempts if a["outcome"] == "unreceived"]
+    assert [a["attempt"] for a in unreceived] == [1, 1]
+    # ... so the job kept its three attempts, and was delivered three times.
+    assert hits == 3
+    assert (state.status, state.attempts) == (JobStatus.COMPLETED, 3)
+    assert sorted(a["outcome"] for a in attempts if a["outcome"] != "unreceived") == [
+        "success", "transient", "transient"]
+    assert [f["attempt"] for kind, f in events if kind == "claim"] == [1, 2, 3]
+
+
+def test_a_queue_that_counts_unreceived_claims_dead_letters_the_job_early(
+    queue: Queue, server: EchoServer
+) -> None:
+    """The same run against the mutant that keeps the attempt of a claim nobody received:
+    the job is dead-lettered after a single delivery (so the test above can fail)."""
+    mutant = Path(__file__).parents[1] / "mutants" / "unreceived_attempt_counts.sql"
+    state, _, _, hits = _ghost_run(queue, server, mutant)
+    assert (state.status, hits) == (JobStatus.FAILED, 1)
