@@ -10,8 +10,12 @@ Leases bound how long a job may be held: the HTTP timeout (which covers name res
 the call together) plus a margin for the result write must fit inside the lease, or another
 worker may take the job while this one is still running it (`validate`). With renewal on,
 each lease is extended once half of it has passed and until its result is written. A result
-write that fails is retried a few times (it is fenced, so resending it is safe) before it is
-given up as unknown.
+write that fails is sent again, backing off, for as long as the lease may still be held (it
+is fenced, so resending it is safe; a server restart is outlasted), then given up as unknown.
+
+Only a claim its worker has received counts as an attempt: before its first call, the
+worker confirms a claim's leases (`ConfirmsReceipt.receive`), so a claim that committed as
+its connection died (the worker never saw it) is given back when its lease expires.
 
 The lease's clock starts at the claim's UPDATE, not at its COMMIT, so a commit that stalls (a
 stalled synchronous standby, a backend frozen in the transaction) can hand the worker leases
@@ -102,9 +106,13 @@ HttpResultName = Literal["ok", "http_error", "timeout", "connection_error", "ref
 # The `reason` of a `release` event for leases given back because too little of them was left.
 LEASE_TOO_SHORT = "lease too short to send"
 
-# A failed result write is sent again after these pauses (it is fenced, so a resend of a write
-# that did commit changes nothing), then given up as unknown.
+# A failed result write is sent again (it is fenced, so a resend of a write that did commit
+# changes nothing): at least these pauses, then on, each pause doubling up to the last, for as
+# long as the lease may still be held (`_finish`): a write past that can no longer matter
+# (recovery takes the job), and is given up as unknown. A server restart takes 0.4-0.8 s, or
+# longer with crash recovery; a fixed 0.3 s of resends gave such writes up.
 WRITE_RETRY_PAUSES = (0.05, 0.25)
+WRITE_RETRY_LAST = 0.5
 # A receipt that failed is sent again after pauses growing from the first by this factor up to
 # the last, for as long as the claim's calls would still fit in its leases (`_receive`).
 RECEIPT_RETRY_FIRST = 0.05
@@ -672,7 +680,9 @@ class Dispatcher:
             batch, self._results = self._results, []
             async with self._lease_io:
                 results = [self._result(self._held[token].lease, call) for token, call in batch]
-                await self._finish(results)
+                # Renewals wait for this write: no lease of the batch outlives its grant.
+                held_until = max(self._held[token].granted_after for token, _ in batch)
+                await self._finish(results, held_until + self.config.lease_seconds)
                 for token, _ in batch:
                     self._held.pop(token, None)
 
@@ -858,8 +868,10 @@ class Dispatcher:
         tasks = [asyncio.create_task(self._deliverer.deliver(lease)) for lease in leases]
         written = asyncio.Event()
         renewer = None
+        granted = [claim_sent]  # when the batch's latest lease grant was sent
         if self.config.renew_leases:
-            renewer = asyncio.create_task(self._renew_until_written(claimed_at, current, written))
+            renewer = asyncio.create_task(
+                self._renew_until_written(claimed_at, current, written, granted))
         try:
             calls = await asyncio.gather(*tasks)
         finally:
@@ -869,7 +881,7 @@ class Dispatcher:
                 # and no renewal runs alongside the write.
                 await asyncio.gather(renewer, return_exceptions=True)
         results = [self._result(current[i], call) for i, call in enumerate(calls)]
-        await self._finish(results)
+        await self._finish(results, granted[-1] + self.config.lease_seconds)
 
     def retry_delay(self, attempt: int) -> timedelta:
         """The backoff after failed attempt `attempt`, jittered by this worker's seeded draw."""
@@ -889,12 +901,16 @@ class Dispatcher:
             finished_at=datetime.fromtimestamp(call.end).astimezone(),
         )
 
-    async def _finish(self, results: list[AttemptResult]) -> None:
+    async def _finish(self, results: list[AttemptResult], held_until: float) -> None:
+        """Write the results; a send that fails is sent again while the leases may still be
+        held (`held_until`, on the monotonic clock: the latest grant's send plus the lease),
+        and at least after each of WRITE_RETRY_PAUSES."""
         # The event is logged after the commit, maybe much later if this process stalls; the
         # time the statement was sent is what a checker can compare with other workers' claims.
         started = time.time()
         failed: str | None = None
-        for pause in (*WRITE_RETRY_PAUSES, None):
+        sends = 0
+        while True:
             try:
                 written = await asyncio.to_thread(self.backend.finish, results)
                 break
@@ -902,10 +918,15 @@ class Dispatcher:
                 # The write may or may not have committed: unknown, not failed. It is fenced,
                 # so it is sent again: a resend of a write that committed changes nothing.
                 failed = _one_line(exc)
-                again = "" if pause is None else ", sending it again"
-                self._call_failed("finish", f"writing results failed{again}", exc)
+                pause = _write_pause(sends)
+                sends += 1
+                again = (sends <= len(WRITE_RETRY_PAUSES)
+                         or time.monotonic() + pause < held_until)
+                self._call_failed(
+                    "finish", f"writing results failed{', sending it again' if again else ''}",
+                    exc)
                 await self._reconnect()
-                if pause is None:
+                if not again:
                     for result in results:
                         self.emit("write", **write_event(result.lease, result.outcome, "info",
                                                          failed, started))
@@ -938,7 +959,8 @@ class Dispatcher:
             )
 
     async def _renew_until_written(
-        self, claimed_at: float, current: dict[int, Lease], written: asyncio.Event
+        self, claimed_at: float, current: dict[int, Lease], written: asyncio.Event,
+        granted: list[float],
     ) -> None:
         """Extend every lease of the batch once half the lease has passed, and again each half
         lease after, until the results are about to be written (`written`). Finished calls
@@ -972,6 +994,8 @@ class Dispatcher:
                 else:
                     current[i] = answer
                     self.emit("renew", **renew_event(lease, answer.locked_until))
+            if len(lost) < len(held):
+                granted.append(renewed_at)
             due = renewed_at + half
 
     def _stall_in_claim(self) -> None:
@@ -1042,6 +1066,14 @@ class Failpoints:
                                "attempt": lease.attempt,
                                "lease_token": str(lease.lease_token)})
             os._exit(FAILPOINT_EXIT_CODE)
+
+
+def _write_pause(sends: int) -> float:
+    """The pause before resend `sends + 1` of a result write."""
+    if sends < len(WRITE_RETRY_PAUSES):
+        return WRITE_RETRY_PAUSES[sends]
+    return min(math.ldexp(WRITE_RETRY_PAUSES[-1], sends - len(WRITE_RETRY_PAUSES) + 1),
+               WRITE_RETRY_LAST)
 
 
 def _seeded(stream: str, seed: int | None, worker_id: str) -> random.Random:
