@@ -814,7 +814,8 @@ class Dispatcher:
         not: it is sent again (marking twice changes nothing) while the calls would still fit
         in what is surely left of the leases; given up, the leases are released (the attempt
         given back, whether or not a receipt landed) or, failing that, left to expire. A lease
-        the receipt finds gone (recovery took it back) is not called."""
+        the receipt finds gone once it may have expired (recovery took it back) is not called;
+        one found gone while it must still run can only be the queue's bug, and is called."""
         if not isinstance(self.backend, ConfirmsReceipt):
             return leases
         pause = RECEIPT_RETRY_FIRST
@@ -835,8 +836,19 @@ class Dispatcher:
         received = [lease for lease, answer in zip(leases, answers, strict=True)
                     if answer is WriteResult.APPLIED]
         if len(received) < len(leases):
-            _log(f"{self.worker_id}: {len(leases) - len(received)} claimed job(s) were taken "
-                 "back before their receipt landed; not calling them")
+            taken = len(leases) - len(received)
+            if lease_left(self.config.lease_seconds, granted_after=claim_sent,
+                          now=time.monotonic()) > 0:
+                # A correct queue cannot take a lease back before it expires: another claim
+                # took these while they must still run (two claimers on one row). Called as
+                # claimed, as before receipts, so the history shows that bug instead of a
+                # receipt hiding it.
+                _log(f"{self.worker_id}: {taken} claimed job(s) passed to another holder "
+                     "while their leases must still run (a queue bug); calling them as claimed")
+                received = list(leases)
+            else:
+                _log(f"{self.worker_id}: {taken} claimed job(s) were taken back before their "
+                     "receipt landed; not calling them")
         if received and not self._lease_fits(received, claim_sent, time.monotonic()):
             await self._release(received, reason=LEASE_TOO_SHORT)
             return []
