@@ -48,8 +48,12 @@ NEMESIS_KINDS: tuple[str, ...] = NemesisKind.__args__  # type: ignore[attr-defin
 ExternalPolicy = Literal["refuse", "skip"]
 # Where pause_worker freezes a worker: while it holds leases (SIGSTOP), or inside its claim
 # transaction, after the claim's UPDATE and before its COMMIT, where the lease clock already
-# runs and the account and job rows stay locked.
-PausePhase = Literal["lease", "claim"]
+# runs and the account and job rows stay locked. Where terminate_backends cuts: every session
+# at once ("lease", the default), or sessions caught inside a COMMIT ("commit"), which may
+# have committed when the client hears of it: a claim's then commits unseen (a ghost claim).
+PausePhase = Literal["lease", "claim", "commit"]
+# The kinds each phase but the default applies to.
+_PHASE_KINDS = {"claim": "pause_worker", "commit": "terminate_backends"}
 
 
 class NemesisError(ValueError):
@@ -114,11 +118,12 @@ class NemesisSpec:
         if self.external not in ("refuse", "skip"):
             raise NemesisError(f"nemesis {self.kind}: external must be 'refuse' or 'skip' "
                                f"(got {self.external!r})")
-        if self.phase not in ("lease", "claim"):
-            raise NemesisError(f"nemesis {self.kind}: phase must be 'lease' or 'claim' "
-                               f"(got {self.phase!r})")
-        if self.phase != "lease" and self.kind != "pause_worker":
-            raise NemesisError(f"nemesis {self.kind}: phase applies to pause_worker only")
+        if self.phase not in ("lease", "claim", "commit"):
+            raise NemesisError(f"nemesis {self.kind}: phase must be 'lease', 'claim' or "
+                               f"'commit' (got {self.phase!r})")
+        if self.phase != "lease" and self.kind != _PHASE_KINDS[self.phase]:
+            raise NemesisError(f"nemesis {self.kind}: phase {self.phase!r} applies to "
+                               f"{_PHASE_KINDS[self.phase]} only")
         return self
 
     def to_json(self) -> dict[str, Any]:
@@ -220,6 +225,8 @@ def plan(specs: Sequence[NemesisSpec], *, seed: int, load_seconds: float,
     for spec in specs:
         duration = spec.duration or default_duration(spec.kind, lease_seconds=lease_seconds,
                                                       http_timeout_seconds=http_timeout_seconds)
+        if spec.phase == "commit" and not spec.duration:
+            duration = COMMIT_WINDOW_SECONDS
         at = spec.at
         while at < load_seconds:
             coin = rng.random()
@@ -238,6 +245,8 @@ def plan(specs: Sequence[NemesisSpec], *, seed: int, load_seconds: float,
 
 
 FAILPOINT_KINDS = frozenset({"crash_after_claim", "crash_after_http"})
+# The window of a commit-phase terminate_backends whose spec gives no duration.
+COMMIT_WINDOW_SECONDS = 1.0
 # Kinds that need a server the harness started.
 OWNED_SERVER_KINDS = frozenset({"restart_postgres"})
 

@@ -95,11 +95,19 @@ class TerminateBackends(Fault):
     """`pg_terminate_backend` on every session of the system under test in the current
     database (never the harness's own): transactions in flight roll back, and a COMMIT
     under way may or may not have happened. Instantaneous: it returns once the terminated
-    backends are gone (or after a short wait)."""
+    backends are gone (or after a short wait). In phase "commit" it lasts instead: for its
+    duration it ends up to `count` sessions caught inside a COMMIT (`_CommitHunt`)."""
 
     kind = "terminate_backends"
+    _hunt: _CommitHunt | None = None
 
     def apply(self) -> list[str | None]:
+        if self.planned.phase == "commit":
+            # Lasting: ends up to `count` sessions caught in a COMMIT until healed.
+            self._hunt = _CommitHunt(self.ctx.dsn, self.ctx.app_prefix, self.planned.count)
+            _HOLDING.add(self)
+            self.data["phase"] = "commit"
+            return ["postgres"]
         with _connect(self.ctx.dsn, TERMINATE_APPLICATION_NAME) as conn:
             rows = conn.execute(
                 """
@@ -119,6 +127,65 @@ class TerminateBackends(Fault):
             self.data["still_alive"] = _wait_gone(
                 conn, terminated, time.monotonic() + TERMINATE_WAIT_SECONDS)
         return ["postgres"]
+
+    def heal(self) -> None:
+        hunt, self._hunt = self._hunt, None
+        if hunt is None:
+            return
+        hunt.stop()
+        _HOLDING.discard(self)
+        self.data["terminated"] = hunt.terminated
+        self.data["polls"] = hunt.polls
+        if hunt.error is not None:
+            self.data["error"] = hunt.error
+
+
+# How often a commit-phase terminate_backends looks for sessions inside a COMMIT.
+COMMIT_POLL_SECONDS = 0.001
+
+
+class _CommitHunt:
+    """terminate_backends in phase "commit": a thread that, until stopped or `count`
+    sessions are ended, ends every session of the system under test found active in a
+    COMMIT. Such a COMMIT may complete before the session dies: its client hears only the
+    error, so a claim committed there is one its worker never sees."""
+
+    def __init__(self, dsn: str, prefix: str, count: int) -> None:
+        self._conn = _connect(dsn, TERMINATE_APPLICATION_NAME)
+        self._prefix = like_prefix(prefix)
+        self._count = count
+        self.terminated = 0
+        self.polls = 0
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="terminate-commits", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set() and self.terminated < self._count:
+                rows = self._conn.execute(
+                    """
+                    SELECT pid, pg_terminate_backend(pid)
+                    FROM pg_stat_activity
+                    WHERE application_name LIKE %s ESCAPE '\\'
+                      AND datname = current_database()
+                      AND pid <> pg_backend_pid()
+                      AND state = 'active' AND query = 'COMMIT'
+                    """,
+                    (self._prefix,),
+                ).fetchall()
+                self.polls += 1
+                self.terminated += sum(1 for _, done in rows if done)
+                self._stop.wait(COMMIT_POLL_SECONDS)
+        except psycopg.Error as exc:  # the server restarted under it: the hunt ends
+            self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        with contextlib.suppress(psycopg.Error):
+            self._conn.close()
 
 
 @register

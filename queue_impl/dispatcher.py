@@ -10,8 +10,12 @@ Leases bound how long a job may be held: the HTTP timeout (which covers name res
 the call together) plus a margin for the result write must fit inside the lease, or another
 worker may take the job while this one is still running it (`validate`). With renewal on,
 each lease is extended once half of it has passed and until its result is written. A result
-write that fails is retried a few times (it is fenced, so resending it is safe) before it is
-given up as unknown.
+write that fails is sent again, backing off, for as long as the lease may still be held (it
+is fenced, so resending it is safe; a server restart is outlasted), then given up as unknown.
+
+Only a claim its worker has received counts as an attempt: before its first call, the
+worker confirms a claim's leases (`ConfirmsReceipt.receive`), so a claim that committed as
+its connection died (the worker never saw it) is given back when its lease expires.
 
 The lease's clock starts at the claim's UPDATE, not at its COMMIT, so a commit that stalls (a
 stalled synchronous standby, a backend frozen in the transaction) can hand the worker leases
@@ -62,6 +66,7 @@ from skiplock.queue_impl.interface import (
     LEASE_HEADER,
     WORKER_HEADER,
     AttemptResult,
+    ConfirmsReceipt,
     Lease,
     Outcome,
     QueueBackend,
@@ -94,16 +99,27 @@ _FILE_KEYS = frozenset({*FAILPOINT_NAMES, PAUSE_IN_CLAIM, PAUSE_IN_CLAIM_SECONDS
 FAILPOINT_EXIT_CODE = 77
 
 # The backend call an `error` event names (see `Dispatcher._call_failed`).
-FailedOp = Literal["recover", "claim", "finish", "renew", "release", "wait"]
+FailedOp = Literal["recover", "claim", "receive", "finish", "renew", "release", "wait"]
 
 HttpResultName = Literal["ok", "http_error", "timeout", "connection_error", "refused"]
 
 # The `reason` of a `release` event for leases given back because too little of them was left.
 LEASE_TOO_SHORT = "lease too short to send"
 
-# A failed result write is sent again after these pauses (it is fenced, so a resend of a write
-# that did commit changes nothing), then given up as unknown.
+# A failed result write is sent again (it is fenced, so a resend of a write that did commit
+# changes nothing): at least these pauses, then on, each pause doubling up to the last, for as
+# long as the lease may still be held (`_finish`): a write past that can no longer matter
+# (recovery takes the job), and is given up as unknown. A server restart takes 0.4-0.8 s, or
+# longer with crash recovery; a fixed 0.3 s of resends gave such writes up.
 WRITE_RETRY_PAUSES = (0.05, 0.25)
+WRITE_RETRY_LAST = 0.5
+# A receipt that failed is sent again after pauses growing from the first by this factor up to
+# the last, for as long as the claim's calls would still fit in its leases (`_receive`).
+RECEIPT_RETRY_FIRST = 0.05
+RECEIPT_RETRY_FACTOR = 2.0
+RECEIPT_RETRY_LAST = 1.0
+# The `reason` of a `release` event for leases given back because their receipt never landed.
+NOT_RECEIVED = "receipt not confirmed"
 # With fewer than half its slots free and calls in flight, a worker waits this long for more
 # slots to free before claiming, so that a busy worker claims in batches, not one by one.
 REFILL_GATHER_SECONDS = 0.01
@@ -580,7 +596,7 @@ class Dispatcher:
                 if leases is None:
                     continue
                 if leases:
-                    self._start_calls(leases, claim_sent)
+                    await self._start_calls(leases, claim_sent)
                     if self.stopping or len(leases) == free:
                         continue
                 # Nothing (more) is due. Idle, wait for a notification; busy, for a slot to
@@ -610,13 +626,17 @@ class Dispatcher:
             for wait in waits:
                 wait.cancel()
 
-    def _start_calls(self, leases: list[Lease], claim_sent: float) -> None:
-        """Log the claim, then start each call (unless a stop came, or the claim took so long
-        that too little of its leases is surely left: those are given back unsent)."""
+    async def _start_calls(self, leases: list[Lease], claim_sent: float) -> None:
+        """Log the claim, confirm its receipt, then start each call (unless a stop came, or
+        the claim took so long that too little of its leases is surely left: those are given
+        back unsent)."""
         send, reason = self._log_claim(leases, claim_sent)
         if not send:
             self._spawn(self._release(leases, reason=reason))
             return
+        leases = await self._receive(leases, claim_sent)
+        for lease in leases:
+            self._failpoint("crash_after_claim", lease)
         for lease in leases:
             self._held[lease.lease_token] = _Held(lease=lease, granted_after=claim_sent)
             self._spawn(self._call_and_queue(lease.lease_token))
@@ -660,7 +680,9 @@ class Dispatcher:
             batch, self._results = self._results, []
             async with self._lease_io:
                 results = [self._result(self._held[token].lease, call) for token, call in batch]
-                await self._finish(results)
+                # Renewals wait for this write: no lease of the batch outlives its grant.
+                held_until = max(self._held[token].granted_after for token, _ in batch)
+                await self._finish(results, held_until + self.config.lease_seconds)
                 for token, _ in batch:
                     self._held.pop(token, None)
 
@@ -704,15 +726,13 @@ class Dispatcher:
                 self.emit("renew", **renew_event(lease, answer.locked_until))
 
     def _log_claim(self, leases: Sequence[Lease], claim_sent: float) -> tuple[bool, str | None]:
-        """Log a claim's events and pass its failpoints; then (send, release reason): send
-        unless a stop came (give the leases back, no reason) or too little of them is surely
-        left (give them back with LEASE_TOO_SHORT; the release is fenced where a lease passed
-        on)."""
+        """Log a claim's events; then (send, release reason): send unless a stop came (give
+        the leases back, no reason) or too little of them is surely left (give them back with
+        LEASE_TOO_SHORT; the release is fenced where a lease passed on). The leases to send
+        are then received (`_receive`) and pass the crash_after_claim failpoint."""
         claimed_at = time.monotonic()
         for lease in leases:
             self.emit("claim", **claim_event(lease))
-        for lease in leases:
-            self._failpoint("crash_after_claim", lease)
         if self.stopping:
             return False, None
         if not self._lease_fits(leases, claim_sent, claimed_at):
@@ -787,6 +807,53 @@ class Dispatcher:
             await self._sleep_unless_stopping(self.config.poll_seconds)
             return None
 
+    async def _receive(self, leases: list[Lease], claim_sent: float) -> list[Lease]:
+        """The leases to call: those the queue confirms received (`ConfirmsReceipt`; a
+        queue without receipts: all). Only a received lease counts as an attempt, so nothing
+        is called before its receipt has committed. A receipt that fails may have committed or
+        not: it is sent again (marking twice changes nothing) while the calls would still fit
+        in what is surely left of the leases; given up, the leases are released (the attempt
+        given back, whether or not a receipt landed) or, failing that, left to expire. A lease
+        the receipt finds gone once it may have expired (recovery took it back) is not called;
+        one found gone while it must still run can only be the queue's bug, and is called."""
+        if not isinstance(self.backend, ConfirmsReceipt):
+            return leases
+        pause = RECEIPT_RETRY_FIRST
+        while True:
+            try:
+                answers = await asyncio.to_thread(self.backend.receive, leases)
+                break
+            except Exception as exc:
+                self._call_failed("receive", "confirming a claim's receipt failed", exc)
+                await self._reconnect()
+                left = lease_left(self.config.lease_seconds, granted_after=claim_sent,
+                                  now=time.monotonic() + pause)
+                if left < self.config.http_timeout_seconds + self.config.write_margin_seconds:
+                    await self._release(leases, reason=NOT_RECEIVED)
+                    return []
+                await asyncio.sleep(pause)
+                pause = min(pause * RECEIPT_RETRY_FACTOR, RECEIPT_RETRY_LAST)
+        received = [lease for lease, answer in zip(leases, answers, strict=True)
+                    if answer is WriteResult.APPLIED]
+        if len(received) < len(leases):
+            taken = len(leases) - len(received)
+            if lease_left(self.config.lease_seconds, granted_after=claim_sent,
+                          now=time.monotonic()) > 0:
+                # A correct queue cannot take a lease back before it expires: another claim
+                # took these while they must still run (two claimers on one row). Called as
+                # claimed, as before receipts, so the history shows that bug instead of a
+                # receipt hiding it.
+                _log(f"{self.worker_id}: {taken} claimed job(s) passed to another holder "
+                     "while their leases must still run (a queue bug); calling them as claimed")
+                received = list(leases)
+            else:
+                _log(f"{self.worker_id}: {taken} claimed job(s) were taken back before their "
+                     "receipt landed; not calling them")
+        if received and not self._lease_fits(received, claim_sent, time.monotonic()):
+            await self._release(received, reason=LEASE_TOO_SHORT)
+            return []
+        return received
+
     async def _reconnect(self) -> None:
         """Close the backend; it reconnects lazily on its next call."""
         try:
@@ -804,12 +871,19 @@ class Dispatcher:
         if not send:
             await self._release(leases, reason=reason)
             return
+        leases = await self._receive(leases, claim_sent)
+        if not leases:
+            return
+        for lease in leases:
+            self._failpoint("crash_after_claim", lease)
         current: dict[int, Lease] = dict(enumerate(leases))
         tasks = [asyncio.create_task(self._deliverer.deliver(lease)) for lease in leases]
         written = asyncio.Event()
         renewer = None
+        granted = [claim_sent]  # when the batch's latest lease grant was sent
         if self.config.renew_leases:
-            renewer = asyncio.create_task(self._renew_until_written(claimed_at, current, written))
+            renewer = asyncio.create_task(
+                self._renew_until_written(claimed_at, current, written, granted))
         try:
             calls = await asyncio.gather(*tasks)
         finally:
@@ -819,7 +893,7 @@ class Dispatcher:
                 # and no renewal runs alongside the write.
                 await asyncio.gather(renewer, return_exceptions=True)
         results = [self._result(current[i], call) for i, call in enumerate(calls)]
-        await self._finish(results)
+        await self._finish(results, granted[-1] + self.config.lease_seconds)
 
     def retry_delay(self, attempt: int) -> timedelta:
         """The backoff after failed attempt `attempt`, jittered by this worker's seeded draw."""
@@ -839,12 +913,16 @@ class Dispatcher:
             finished_at=datetime.fromtimestamp(call.end).astimezone(),
         )
 
-    async def _finish(self, results: list[AttemptResult]) -> None:
+    async def _finish(self, results: list[AttemptResult], held_until: float) -> None:
+        """Write the results; a send that fails is sent again while the leases may still be
+        held (`held_until`, on the monotonic clock: the latest grant's send plus the lease),
+        and at least after each of WRITE_RETRY_PAUSES."""
         # The event is logged after the commit, maybe much later if this process stalls; the
         # time the statement was sent is what a checker can compare with other workers' claims.
         started = time.time()
         failed: str | None = None
-        for pause in (*WRITE_RETRY_PAUSES, None):
+        sends = 0
+        while True:
             try:
                 written = await asyncio.to_thread(self.backend.finish, results)
                 break
@@ -852,10 +930,15 @@ class Dispatcher:
                 # The write may or may not have committed: unknown, not failed. It is fenced,
                 # so it is sent again: a resend of a write that committed changes nothing.
                 failed = _one_line(exc)
-                again = "" if pause is None else ", sending it again"
-                self._call_failed("finish", f"writing results failed{again}", exc)
+                pause = _write_pause(sends)
+                sends += 1
+                again = (sends <= len(WRITE_RETRY_PAUSES)
+                         or time.monotonic() + pause < held_until)
+                self._call_failed(
+                    "finish", f"writing results failed{', sending it again' if again else ''}",
+                    exc)
                 await self._reconnect()
-                if pause is None:
+                if not again:
                     for result in results:
                         self.emit("write", **write_event(result.lease, result.outcome, "info",
                                                          failed, started))
@@ -888,7 +971,8 @@ class Dispatcher:
             )
 
     async def _renew_until_written(
-        self, claimed_at: float, current: dict[int, Lease], written: asyncio.Event
+        self, claimed_at: float, current: dict[int, Lease], written: asyncio.Event,
+        granted: list[float],
     ) -> None:
         """Extend every lease of the batch once half the lease has passed, and again each half
         lease after, until the results are about to be written (`written`). Finished calls
@@ -922,6 +1006,8 @@ class Dispatcher:
                 else:
                     current[i] = answer
                     self.emit("renew", **renew_event(lease, answer.locked_until))
+            if len(lost) < len(held):
+                granted.append(renewed_at)
             due = renewed_at + half
 
     def _stall_in_claim(self) -> None:
@@ -992,6 +1078,14 @@ class Failpoints:
                                "attempt": lease.attempt,
                                "lease_token": str(lease.lease_token)})
             os._exit(FAILPOINT_EXIT_CODE)
+
+
+def _write_pause(sends: int) -> float:
+    """The pause before resend `sends + 1` of a result write."""
+    if sends < len(WRITE_RETRY_PAUSES):
+        return WRITE_RETRY_PAUSES[sends]
+    return min(math.ldexp(WRITE_RETRY_PAUSES[-1], sends - len(WRITE_RETRY_PAUSES) + 1),
+               WRITE_RETRY_LAST)
 
 
 def _seeded(stream: str, seed: int | None, worker_id: str) -> random.Random:

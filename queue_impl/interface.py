@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import Enum
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 # Every delivery carries these, so a target can deduplicate (at-least-once delivery).
 JOB_ID_HEADER = "X-Skiplock-Job-Id"
@@ -123,7 +123,7 @@ class JobState:
 
 BackendName = Literal["pg", "pg-naive", "pg-for-update", "pg-long-tx"]
 
-AttemptsCount = Literal["claims", "finished"]
+AttemptsCount = Literal["claims", "received", "finished"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,8 +136,11 @@ class Guarantees:
     account_limits: bool = True
     # A result written after the lease was lost (another claim took the job) is refused.
     fencing: bool = True
-    # What `max_attempts` counts: every claim (a claim whose worker died counts, as in the
-    # reference), or only attempts that finished (a pick that stalled is not counted).
+    # What `max_attempts` counts: every committed claim ("claims": a claim whose worker died,
+    # or whose result was lost with its connection, counts); every claim its worker received
+    # before calling ("received", the reference: a claim nobody received is given back when
+    # its lease expires, so only an attempt that could have been delivered counts); or only
+    # attempts that finished ("finished": a pick that stalled is not counted).
     attempts_count: AttemptsCount = "claims"
     # The retry wait is capped at the configured cap (the reference's capped backoff). A
     # queue without a cap waits longer than the cap allows once the cap would bind.
@@ -164,8 +167,9 @@ class Guarantees:
             if not isinstance(raw.get(key, True), bool):
                 raise ValueError(f"guarantees.{key} must be true or false")
         count = raw.get("attempts_count", "claims")
-        if count not in ("claims", "finished"):
-            raise ValueError("guarantees.attempts_count must be \"claims\" or \"finished\"")
+        if count not in get_args(AttemptsCount):
+            raise ValueError("guarantees.attempts_count must be \"claims\", \"received\" or "
+                             "\"finished\"")
         return cls(**{k: bool(raw.get(k, True)) for k in flags}, attempts_count=count)
 
 
@@ -223,6 +227,21 @@ class QueueBackend(Protocol):
 
     def close(self) -> None:
         """Close connections. The backend may be used again after (it reconnects)."""
+
+
+@runtime_checkable
+class ConfirmsReceipt(Protocol):
+    """An optional capability: the worker confirms it has a claim's leases in hand before its
+    first call, so the queue counts an attempt only if it could have been delivered. A claim
+    can commit while its connection dies: the worker sees an error and never the leases, and
+    a queue that counted such a claim would dead-letter jobs short of their deliveries. The
+    queue gives an expired lease that was never received back on recovery (attempts
+    unchanged), and declares `attempts_count="received"`."""
+
+    def receive(self, leases: Sequence[Lease]) -> list[WriteResult]:
+        """Mark the leases received, in order; FENCED for one no longer held (the worker
+        must not call it). Safe to send again after an error: marking twice changes
+        nothing."""
 
 
 @runtime_checkable

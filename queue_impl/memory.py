@@ -21,6 +21,7 @@ from typing import Any
 from skiplock.queue_impl.interface import (
     Account,
     AttemptResult,
+    Guarantees,
     JobState,
     JobStatus,
     Lease,
@@ -44,6 +45,8 @@ class _Job:
     next_attempt_at: datetime | None = None
     locked_until: datetime | None = None
     lease_token: uuid.UUID | None = None
+    # The lease token its worker confirmed receiving (`receive`); see `recover`.
+    received_token: uuid.UUID | None = None
     locked_by: str | None = None
     last_error: str | None = None
 
@@ -64,6 +67,8 @@ class InMemoryQueue:
     # One process's dict: producers and workers in other processes would share nothing, so
     # the harness refuses it for runs (skiplock.queue_impl.plugins.is_shared).
     shared = False
+    # As the reference: an attempt counts once its worker received the claim.
+    guarantees = Guarantees(attempts_count="received")
 
     def __init__(self, clock: Callable[[], datetime] | None = None) -> None:
         self._clock = clock or (lambda: datetime.now(UTC))
@@ -250,6 +255,18 @@ class InMemoryQueue:
                 out.append(dataclasses.replace(lease, locked_until=job.locked_until))
         return out
 
+    def receive(self, leases: Sequence[Lease]) -> list[WriteResult]:
+        out: list[WriteResult] = []
+        with self._lock:
+            for lease in leases:
+                job = self._holds(lease)
+                if job is None:
+                    out.append(WriteResult.FENCED)
+                    continue
+                job.received_token = job.lease_token
+                out.append(WriteResult.APPLIED)
+        return out
+
     def release(self, leases: Sequence[Lease]) -> list[WriteResult]:
         out: list[WriteResult] = []
         with self._lock:
@@ -260,15 +277,7 @@ class InMemoryQueue:
                     self._fence(lease, "release")
                     out.append(WriteResult.FENCED)
                     continue
-                job.attempts -= 1
-                if job.attempts == 0:
-                    job.status = JobStatus.PENDING
-                    job.next_attempt_at = None
-                else:
-                    job.status = JobStatus.RETRYING
-                    job.next_attempt_at = now
-                job.locked_until = None
-                job.lease_token = None
+                _give_back(job, now)
                 out.append(WriteResult.APPLIED)
             if any(r is WriteResult.APPLIED for r in out):
                 self._notified = True
@@ -289,7 +298,15 @@ class InMemoryQueue:
                     and j.locked_until < now
                 ),
                 key=lambda j: (j.locked_until, j.id),
-            )[:limit]
+            )
+            # As recover_unreceived then recover, in one transaction: first the leases never
+            # received (given back: nothing was delivered), then the others (counted).
+            unreceived = [j for j in expired if j.received_token != j.lease_token][:limit]
+            for job in unreceived:
+                _give_back(job, now)
+            received = [j for j in expired if j.lease_token is not None
+                        and j.received_token == j.lease_token]
+            expired = received[:limit - len(unreceived)]
             for job in expired:
                 if job.attempts >= job.max_attempts:
                     job.status = JobStatus.FAILED
@@ -300,7 +317,7 @@ class InMemoryQueue:
                 job.last_error = f"lease expired (attempt {job.attempts})"
                 job.locked_until = None
                 job.lease_token = None
-            return len(expired)
+            return len(unreceived) + len(expired)
 
     def wait_for_work(self, timeout: float) -> bool:
         with self._wakeup:
@@ -328,6 +345,20 @@ class InMemoryQueue:
 
     def close(self) -> None:
         return None
+
+
+def _give_back(job: _Job, now: datetime) -> None:
+    """A lease ended unexecuted (released, or expired unreceived): due now, the attempt not
+    counted; PENDING if it never ran, else RETRYING."""
+    job.attempts -= 1
+    if job.attempts == 0:
+        job.status = JobStatus.PENDING
+        job.next_attempt_at = None
+    else:
+        job.status = JobStatus.RETRYING
+        job.next_attempt_at = now
+    job.locked_until = None
+    job.lease_token = None
 
 
 def _due_at(job: _Job, now: datetime) -> datetime | None:

@@ -38,9 +38,11 @@ from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 
 from skiplock.queue_impl.interface import (
+    REFERENCE_GUARANTEES,
     Account,
     AttemptResult,
     BackendName,
+    Guarantees,
     JobState,
     JobStatus,
     Lease,
@@ -120,10 +122,33 @@ class PgQueue:
         # Called between a claim's statements and its COMMIT when it took rows (fault
         # injection: a worker frozen inside its claim transaction). None: nothing.
         self.claim_commit_hook: Callable[[], None] | None = None
+        # Called once a claim that took rows has committed, before its leases are returned
+        # (fault injection: the connection lost between the COMMIT and the worker's read of
+        # it; the hook raises as the lost connection would). None: nothing.
+        self.claim_result_hook: Callable[[], None] | None = None
         self._last_notify = -math.inf
 
     def __repr__(self) -> str:
         return f"PgQueue(variant={self.variant!r}, schema={self.schema!r})"
+
+    @property
+    def receipts(self) -> bool:
+        """Whether the worker's receipts count attempts (`receive`, `recover_unreceived`):
+        not under pg-long-tx, whose claim commits only with its result (a claim whose
+        connection dies is rolled back, never a ghost); nor for a SQL file that replaces
+        `schema` but defines no `receive` (written before receipts: its tables have no
+        `received_token`), which keeps counting every committed claim."""
+        if self.variant == "pg-long-tx":
+            return False
+        return (self._sources["schema"] == REFERENCE_PATH
+                or self._sources["receive"] != REFERENCE_PATH)
+
+    @property
+    def guarantees(self) -> Guarantees:
+        """The reference's promises; with receipts, `max_attempts` counts received claims."""
+        if self.receipts:
+            return dataclasses.replace(REFERENCE_GUARANTEES, attempts_count="received")
+        return REFERENCE_GUARANTEES
 
     @property
     def holds_claims(self) -> bool:
@@ -316,7 +341,7 @@ class PgQueue:
             transformer = Transformer(conn)
             encoding = conn.info.encoding
             for block, text in self._statements.items():
-                if block == "schema":
+                if block == "schema" or (block in _RECEIPT_BLOCKS and not self.receipts):
                     continue
                 query, names = positional(text)
                 params = samples.get(block, {})
@@ -395,7 +420,10 @@ class PgQueue:
             else ("claim_lock_accounts_wait", "claim_wait")
         )
         if not hold and self.claim_commit_hook is None:
-            return self._claim_pipelined(lock_block, claim_block, worker_id, batch, lease)
+            leases = self._claim_pipelined(lock_block, claim_block, worker_id, batch, lease)
+            if leases:
+                self._after_commit()
+            return leases
         with self._locks[Role.LEASE]:
             conn = self._conn(Role.LEASE)
             try:
@@ -422,7 +450,21 @@ class PgQueue:
                     self._rollback(Role.LEASE, conn)
                     raise
                 self._open_claim = False
+        if rows and not hold:
+            self._after_commit()
         return [_lease(row) for row in rows]
+
+    def _after_commit(self) -> None:
+        """Run `claim_result_hook` after a claim that took rows committed; an error it
+        raises drops the lease connection, as a connection lost there would."""
+        if self.claim_result_hook is None:
+            return
+        try:
+            self.claim_result_hook()
+        except BaseException:
+            with self._locks[Role.LEASE]:
+                self._drop(Role.LEASE)
+            raise
 
     def _claim_pipelined(self, lock_block: str, claim_block: str, worker_id: str, batch: int,
                          lease: timedelta) -> list[Lease]:
@@ -445,7 +487,21 @@ class PgQueue:
             rows = self._run(
                 conn, "naive_take", {"job_ids": ids, "lease": lease, "worker_id": worker_id}
             )
+        if rows:
+            self._after_commit()
         return [_lease(row) for row in rows]
+
+    def receive(self, leases: Sequence[Lease]) -> list[WriteResult]:
+        """Mark leases received (see `ConfirmsReceipt`): one round trip. Without receipts
+        (`receipts`), every lease is taken as received and nothing is sent."""
+        if not leases:
+            return []
+        if not self.receipts:
+            return [WriteResult.APPLIED] * len(leases)
+        with self._tx(Role.LEASE, pipeline=True) as conn:
+            marked = conn.execute(self._statements["receive"], _items(leases))
+        applied = {row["ord"] for row in marked.fetchall()}
+        return _write_results(len(leases), applied)
 
     def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
         if not results:
@@ -479,8 +535,16 @@ class PgQueue:
         if limit <= 0:
             raise ValueError("limit must be positive")
         with self._tx(Role.RECOVER) as conn:
-            rows = self._run(conn, "recover", {"limit": limit})
-        return int(next(iter(rows[0].values()))) if rows else 0
+            given_back = 0
+            if self.receipts:
+                # Both statements read one instant (skiplock_now(), for this transaction
+                # only): a never-received lease expiring between them would be counted.
+                conn.execute("SELECT set_config('skiplock.now', skiplock_now()::text, true)")
+                given_back = _count(self._run(conn, "recover_unreceived", {"limit": limit}))
+            moved = 0
+            if given_back < limit:
+                moved = _count(self._run(conn, "recover", {"limit": limit - given_back}))
+        return given_back + moved
 
     def wait_for_work(self, timeout: float) -> bool:
         with self._locks[Role.LISTEN]:
@@ -669,7 +733,9 @@ def _sample_params() -> dict[str, dict[str, Any]]:
         "naive_take": {"job_ids": [held.job_id], "lease": lease, "worker_id": "worker-0"},
         "finish": _finish_params([result]),
         "renew": {**_items([held]), "extend": lease},
+        "receive": _items([held]),
         "release": _items([held]),
+        "recover_unreceived": {"limit": 100},
         "recover": {"limit": 100},
     }
 
@@ -681,6 +747,15 @@ _SCRIPT_NOT_PREPARABLE = "cannot insert multiple commands into a prepared statem
 def _field(result: pq.abc.PGresult, field: pq.DiagnosticField, encoding: str) -> str:
     raw = result.error_field(field)
     return raw.decode(encoding, errors="replace") if raw else ""
+
+
+def _count(rows: Sequence[Mapping[str, Any]]) -> int:
+    """The count a recovery block returns in its first column."""
+    return int(next(iter(rows[0].values()))) if rows else 0
+
+
+# The blocks receipts add; not run (nor checked) for a queue without receipts.
+_RECEIPT_BLOCKS = frozenset({"receive", "recover_unreceived"})
 
 
 def _items(leases: Sequence[Lease]) -> dict[str, list[Any]]:

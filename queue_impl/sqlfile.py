@@ -4,7 +4,9 @@ A `.sql` file holds blocks; a line `-- name: BLOCK` starts one and it runs until
 such line. Placeholders are psycopg named parameters, `%(name)s`; a literal percent sign is
 written `%%`. `statements_with_overrides(FILE)` replaces the reference blocks by name with the
 file's (the `--sql FILE` option), so a team can gate its own queue SQL; names the file does
-not define fall back to the reference.
+not define fall back to the reference. `receive` and `recover_unreceived` came later than the
+others: a file that replaces `schema` but defines neither runs without receipts (every
+committed claim counts, as before; see `PgQueue.receipts`).
 
 Every statement runs with `search_path` set to the queue's schema, in a READ COMMITTED
 transaction (the queue sets it on its connections), and must read the time from
@@ -17,7 +19,8 @@ Blocks (placeholders; optional ones in brackets) and what each must do and retur
 - `schema` (none; run as one script): create `skiplock_now()` (the pinned clock, else
   `statement_timestamp()`), `skiplock_lease_base()` (the pinned clock, else
   `clock_timestamp()`), tables `accounts`, `jobs` (with a check that `target_url` is
-  http(s)), `job_attempts`, `fenced_writes` and their indexes if missing; idempotent.
+  http(s), and a `received_token`), `job_attempts` (outcomes including `unreceived`),
+  `fenced_writes` and their indexes if missing; idempotent.
 - `setup_lock` (`lock_key`): take a transaction-level advisory lock (serialises `schema`).
 - `upsert_accounts` (`account_ids`, `limits`): insert accounts or update their
   `concurrency_limit` (NULL: unlimited).
@@ -49,12 +52,20 @@ Blocks (placeholders; optional ones in brackets) and what each must do and retur
   the same token: success -> COMPLETED; permanent -> FAILED; transient -> RETRYING at
   now + delay, or FAILED at max_attempts (keeping the error); close the `job_attempts` row;
   record the others in `fenced_writes`; return the applied `ord`s.
+- `receive` (`ords`, `job_ids`, `lease_tokens` [`attempts`, `workers`]): lock the rows still
+  held in id order, then mark each lease received (`received_token = lease_token`); return
+  the applied `ord`s. The worker sends it before its first call: only a received lease can
+  have been delivered.
 - `renew` (`ords`, `job_ids`, `lease_tokens`, `extend` [`attempts`, `workers`]): lock the
   rows still held in id order, then extend `locked_until` to `skiplock_lease_base()` +
   extend; record the others as fenced; return `ord, locked_until`.
 - `release` (`ords`, `job_ids`, `lease_tokens` [`attempts`, `workers`]): lock the rows
   still held in id order, then back to due now with `attempts - 1` and the token cleared;
   record the others as fenced; return the applied `ord`s.
+- `recover_unreceived` (`limit`): run just before `recover`, in its transaction and at the
+  same instant: give back up to `limit` expired leases never received (`received_token`
+  not the lease's token) as `release` does (due now, `attempts - 1`); close their
+  `job_attempts` rows as `unreceived`; return one row whose first column is the count.
 - `recover` (`limit`): move up to `limit` expired leases, `FOR UPDATE SKIP LOCKED`, to
   RETRYING (due now) or FAILED at max_attempts; close their `job_attempts` rows as
   `lease_expired`; return one row whose first column is the count.
@@ -94,8 +105,10 @@ REQUIRED_PLACEHOLDERS: dict[str, frozenset[str]] = {
     "naive_select_due": frozenset({"batch"}),
     "naive_take": frozenset({"job_ids", "lease", "worker_id"}),
     "finish": _ITEMS | {"outcomes", "retry_delays"},
+    "receive": _ITEMS,
     "renew": _ITEMS | {"extend"},
     "release": _ITEMS,
+    "recover_unreceived": frozenset({"limit"}),
     "recover": frozenset({"limit"}),
     "snapshot": frozenset(),
     "list_attempts": frozenset(),
@@ -107,6 +120,7 @@ OPTIONAL_PLACEHOLDERS: dict[str, frozenset[str]] = {
     "claim_lock_accounts": frozenset({"batch"}),
     "claim_lock_accounts_wait": frozenset({"batch"}),
     "finish": _ITEM_EXTRAS | {"http_statuses", "errors", "finished_ats"},
+    "receive": _ITEM_EXTRAS,
     "renew": _ITEM_EXTRAS,
     "release": _ITEM_EXTRAS,
 }

@@ -1,8 +1,13 @@
 """`skiplock worker`: run dispatcher worker processes against a queue until Ctrl-C / SIGTERM.
 
 Workers are plain processes, so any machine that reaches the database can run more of them
-against the same DSN. On Ctrl-C or SIGTERM every worker stops claiming, finishes or releases
-what it holds, and exits; none is left behind. Then the command exits as every command does:
+against the same DSN; their ids name the host, the command's pid and a counter, so no two
+invocations anywhere share one. A worker that dies is replaced by a new one whose id names
+it (its `start` event too), as `skiplock run` does; the command gives up with exit 4, in
+one line, only on a crash loop (`--crash-loop N/SECONDS`).
+
+On Ctrl-C or SIGTERM every worker stops claiming, finishes or releases what it holds, and
+exits; none is left behind. Then the command exits as every command does:
 130 for Ctrl-C, 143 for SIGTERM (it re-raises the interrupt for the CLI to map).
 
 Every check of the command line (values, files, the events directory) comes before the
@@ -39,7 +44,7 @@ from skiplock.queue_impl.plugins import (
 from skiplock.reports.history import LOG_SUFFIX
 from skiplock.scenarios.cmd_run import backend_options
 from skiplock.scenarios.provision import DSN_ENV, postgres
-from skiplock.scenarios.workers import WorkerPool
+from skiplock.scenarios.workers import CrashLoop, WorkerPool, unique_prefix
 
 
 def _failpoint(text: str) -> tuple[str, float]:
@@ -50,6 +55,17 @@ def _failpoint(text: str) -> tuple[str, float]:
         return name, float(probability)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{probability!r} is not a probability") from None
+
+
+def _crash_loop(text: str) -> CrashLoop:
+    deaths, sep, seconds = text.partition("/")
+    try:
+        if not sep:
+            raise ValueError
+        return CrashLoop(deaths=int(deaths), seconds=float(seconds)).validate()
+    except (ValueError, UsageError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not N/SECONDS (N deaths within SECONDS, both positive)") from None
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +147,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="seed failpoint decisions and retry jitter, so a fault schedule replays",
     )
+    loop = CrashLoop()
+    parser.add_argument(
+        "--crash-loop",
+        type=_crash_loop,
+        default=loop,
+        metavar="N/SECONDS",
+        help="a dead worker is replaced by a new one; give up (exit 4) once N workers died "
+        f"within SECONDS (default {loop.deaths}/{loop.seconds:g})",
+    )
     parser.add_argument("--no-recovery", action="store_true", help="do not recover leases")
     parser.add_argument("--no-renew", action="store_true", help="do not renew long leases")
     parser.add_argument("--barrier", action="store_true",
@@ -210,11 +235,16 @@ def run(args: argparse.Namespace) -> int:
                     options=options,
                 )
                 _setup(spec)
-                pool = WorkerPool(spec, config, args.workers, args.events_dir)
+                # Ids unique across hosts and invocations (host, pid, counter); a dead
+                # worker is replaced, as `skiplock run` does, until a crash loop.
+                pool = WorkerPool(spec, config, args.workers, args.events_dir,
+                                  name_prefix=unique_prefix(), supervise=True,
+                                  crash_loop=args.crash_loop)
                 try:
                     pool.start()
                     print(
-                        f"skiplock worker: {args.workers} worker(s), backend {spec.display()}, "
+                        f"skiplock worker: {args.workers} worker(s) ({pool.worker_ids[0]}"
+                        f"{', ...' if args.workers > 1 else ''}), backend {spec.display()}, "
                         f"batch {config.batch}, lease {config.lease_seconds:g}s, "
                         f"events in {args.events_dir}; Ctrl-C to stop",
                         file=sys.stderr,
@@ -299,6 +329,8 @@ def _setup(spec: BackendFactory) -> None:
 
 
 def _watch(pool: WorkerPool) -> None:
-    while any(pool.alive()):
-        time.sleep(0.5)
-    raise HarnessError("every worker exited; see their event logs")
+    """Return never: a supervised pool replaces dead workers until it gives up on a crash
+    loop, which ends the command (exit 4) with the pool's one line."""
+    while pool.gave_up is None and any(pool.alive()):
+        time.sleep(0.2)
+    raise HarnessError(pool.gave_up or "every worker exited; see their event logs")

@@ -10,9 +10,12 @@ drain, then SIGKILL for any that remain, so no process is left behind.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -152,6 +155,31 @@ class _LeaseTracker:
                 held.discard(key)
 
 
+def unique_prefix(name: str = "worker") -> str:
+    """A worker id prefix no other process on any host uses at the same time: `name`, this
+    host's name and this process's id (`worker-db7-12345`), so that `skiplock worker` run on
+    several machines, or twice on one, never writes two workers' events, leases and
+    `job_attempts` rows under one id. The pool adds a counter per worker."""
+    host = re.sub(r"[^A-Za-z0-9.-]+", "-", socket.gethostname().split(".")[0]).strip("-")
+    return f"{name}-{host or 'host'}-{os.getpid()}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CrashLoop:
+    """When a supervised pool gives up: `deaths` worker deaths within `seconds`."""
+
+    deaths: int = 5
+    seconds: float = 10.0
+
+    def validate(self) -> CrashLoop:
+        if isinstance(self.deaths, bool) or not isinstance(self.deaths, int) or self.deaths < 1:
+            raise UsageError(f"crash loop: deaths must be a positive whole number "
+                             f"(got {self.deaths!r})")
+        if not self.seconds > 0:
+            raise UsageError(f"crash loop: seconds must be positive (got {self.seconds!r})")
+        return self
+
+
 @dataclass(kw_only=True)
 class _Worker:
     """One worker process, and the slot it fills."""
@@ -185,6 +213,7 @@ class WorkerPool:
         restart_delay: float = 0.5,
         app_prefix: str | None = None,
         stderr_dir: Path | None = None,
+        crash_loop: CrashLoop | None = None,
     ) -> None:
         validate_worker_count(count)
         config.validate()
@@ -209,6 +238,11 @@ class WorkerPool:
         self._supervisor: threading.Thread | None = None
         self._leases = _LeaseTracker()
         self.replacements = 0
+        # With `crash_loop`, a supervised pool stops replacing workers once that many have
+        # died within that many seconds, and says why here (one line).
+        self.crash_loop = None if crash_loop is None else crash_loop.validate()
+        self._deaths: collections.deque[float] = collections.deque()
+        self.gave_up: str | None = None
 
     def events_path(self, worker_id: str) -> Path:
         return self.events_dir / f"{worker_id}{LOG_SUFFIX}"
@@ -271,6 +305,8 @@ class WorkerPool:
                 now = time.monotonic()
                 if worker.died_at is None:
                     worker.died_at = now
+                    if self._crash_looping(worker, now):
+                        break  # this thread lives on: the replacements die with it
                 if now - worker.died_at < self.restart_delay:
                     continue
                 with self._spawn_lock:
@@ -289,6 +325,24 @@ class WorkerPool:
                     self._current[slot] = replacement
                     self._processes[slot] = replacement.process
                     self.replacements += 1
+
+    def _crash_looping(self, worker: _Worker, now: float) -> bool:
+        """Count a death; past the crash-loop limit, stop replacing and say so."""
+        if self.crash_loop is None:
+            return False
+        self._deaths.append(now)
+        while self._deaths and now - self._deaths[0] > self.crash_loop.seconds:
+            self._deaths.popleft()
+        if len(self._deaths) < self.crash_loop.deaths:
+            return False
+        self.gave_up = (
+            f"crash loop: {len(self._deaths)} worker deaths within "
+            f"{self.crash_loop.seconds:g} s (the last {worker.worker_id}, exit code "
+            f"{worker.process.exitcode}); not replacing them, see their event logs"
+        )
+        with self._spawn_lock:
+            self._stopping.set()
+        return True
 
     def _wait_started(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -52,6 +52,11 @@ CREATE TABLE IF NOT EXISTS jobs (
     -- A fresh token per claim: a result write must carry it, so a worker whose lease passed
     -- to someone else is fenced instead of overwriting the new holder's state.
     lease_token uuid,
+    -- The lease token whose worker confirmed it had the claim in hand (the `receive` block,
+    -- before its first call): an expired lease whose token is not this one was never
+    -- delivered (its claim's result was lost with the connection, or its worker died before
+    -- reading it), so recovery gives its attempt back instead of counting it.
+    received_token uuid,
     locked_by text,
     last_error text,
     created_at timestamptz NOT NULL DEFAULT skiplock_now(),
@@ -68,6 +73,19 @@ BEGIN
     ) THEN
         ALTER TABLE jobs ADD CONSTRAINT jobs_target_url_http
             CHECK (target_url ~* '^https?://') NOT VALID;
+    END IF;
+END
+$$;
+
+-- A schema created before receipts existed gets the column too (looked up first: ALTER TABLE
+-- would take an exclusive lock on every setup, behind every claim in flight).
+DO $$
+BEGIN
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_attribute
+        WHERE attrelid = 'jobs'::regclass AND attname = 'received_token' AND NOT attisdropped
+    ) THEN
+        ALTER TABLE jobs ADD COLUMN received_token uuid;
     END IF;
 END
 $$;
@@ -98,12 +116,33 @@ CREATE TABLE IF NOT EXISTS job_attempts (
     worker text NOT NULL,
     started_at timestamptz NOT NULL,
     finished_at timestamptz,
-    outcome text CHECK (
-        outcome IN ('success', 'transient', 'permanent', 'lease_expired', 'released')
+    -- unreceived: its lease expired before its worker confirmed it had the claim in hand;
+    -- nothing was delivered, and the attempt was given back.
+    outcome text CONSTRAINT job_attempts_outcome_check CHECK (
+        outcome IN ('success', 'transient', 'permanent', 'lease_expired', 'released',
+                    'unreceived')
     ),
     http_status integer,
     error text
 );
+
+-- A schema created before receipts existed accepts their outcome too (NOT VALID: the rows
+-- already there are left alone).
+DO $$
+BEGIN
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_constraint
+        WHERE conrelid = 'job_attempts'::regclass AND conname = 'job_attempts_outcome_check'
+          AND position('unreceived' in pg_get_constraintdef(oid)) > 0
+    ) THEN
+        ALTER TABLE job_attempts DROP CONSTRAINT IF EXISTS job_attempts_outcome_check;
+        ALTER TABLE job_attempts ADD CONSTRAINT job_attempts_outcome_check CHECK (
+            outcome IN ('success', 'transient', 'permanent', 'lease_expired', 'released',
+                        'unreceived')
+        ) NOT VALID;
+    END IF;
+END
+$$;
 CREATE INDEX IF NOT EXISTS job_attempts_job ON job_attempts (job_id, attempt);
 
 -- Every write refused because the caller no longer held the lease.
@@ -524,6 +563,45 @@ logged AS (
 )
 SELECT * FROM claimed;
 
+-- name: receive
+-- Sent by the worker once it has read a claim's leases and before its first call: a claim
+-- can commit while its connection dies (the worker sees an error, never the leases), and
+-- only a lease marked here can have been delivered. Recovery counts the attempt of an expired
+-- lease only if it was marked (recover_unreceived gives the others back).
+WITH
+-- The leases in hand, numbered in the caller's order.
+held AS (
+    SELECT *
+    FROM unnest(
+        %(ords)s::integer[], %(job_ids)s::uuid[], %(lease_tokens)s::uuid[],
+        %(attempts)s::integer[], %(workers)s::text[]
+    ) AS h (ord, job_id, lease_token, attempt, worker)
+),
+-- Lock the rows this call still holds, in id order, before changing any, as every writer
+-- does: recovery (FOR UPDATE SKIP LOCKED) then either sees the mark or has already taken the
+-- lease, which the token check below refuses.
+held_rows AS MATERIALIZED (
+    SELECT j.id
+    FROM jobs AS j
+    JOIN held AS x ON x.job_id = j.id AND x.lease_token = j.lease_token
+    WHERE CASE j.status WHEN 'PROCESSING' THEN true END
+    ORDER BY j.id
+    FOR UPDATE OF j
+),
+-- Mark only leases still held (same token, still PROCESSING); a lease already taken back is
+-- not marked, and its worker must not call. Marking twice (a resend after a lost answer)
+-- changes nothing. Not recorded as fenced: nothing was written over anyone.
+received AS (
+    UPDATE jobs AS j
+    SET received_token = j.lease_token
+    FROM held AS h
+    JOIN held_rows AS l ON l.id = h.job_id
+    WHERE j.id = h.job_id AND j.lease_token = h.lease_token
+      AND CASE j.status WHEN 'PROCESSING' THEN true END
+    RETURNING h.ord
+)
+SELECT ord FROM received;
+
 -- name: finish
 WITH
 -- The results, one row each, numbered in the caller's order (ord).
@@ -689,6 +767,45 @@ fenced AS (
     WHERE h.ord NOT IN (SELECT ord FROM released)
 )
 SELECT ord FROM released;
+
+-- name: recover_unreceived
+-- Run just before `recover`, in its transaction and at the same instant: expired leases whose
+-- worker never confirmed having them (`receive`) were never delivered, so they use up no
+-- attempt. Without this, a claim committed as its connection died (the worker never saw it)
+-- cost the job an attempt, and a job could be dead-lettered short of its deliveries.
+WITH
+-- Expired, never-received leases, oldest deadline first; SKIP LOCKED as in `recover` (a row
+-- locked by a receipt in flight is left to it).
+expired AS (
+    SELECT j.id, j.lease_token
+    FROM jobs AS j
+    WHERE j.status = 'PROCESSING' AND j.locked_until < skiplock_now()
+      AND j.received_token IS DISTINCT FROM j.lease_token
+    ORDER BY j.locked_until
+    LIMIT %(limit)s
+    FOR UPDATE OF j SKIP LOCKED
+),
+-- Back to due now with the attempt given back, as a release does: PENDING if it never ran,
+-- else RETRYING; clearing the token fences the claim's lost holder.
+given_back AS (
+    UPDATE jobs AS j
+    SET status = CASE WHEN j.attempts - 1 = 0 THEN 'PENDING' ELSE 'RETRYING' END,
+        next_attempt_at = CASE WHEN j.attempts - 1 = 0 THEN NULL ELSE skiplock_now() END,
+        attempts = j.attempts - 1,
+        locked_until = NULL,
+        lease_token = NULL
+    FROM expired AS e
+    WHERE j.id = e.id
+    RETURNING j.id, e.lease_token
+),
+-- Close the claim's attempts row as unreceived: it never executed, and did not count.
+attempt_end AS (
+    UPDATE job_attempts AS a
+    SET finished_at = skiplock_now(), outcome = 'unreceived'
+    FROM given_back AS g
+    WHERE a.lease_token = g.lease_token
+)
+SELECT count(*) AS recovered FROM given_back;
 
 -- name: recover
 WITH

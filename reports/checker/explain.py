@@ -355,7 +355,11 @@ class Explainer:
         attempt the history cannot see (recovered later, it still used up the attempt). The
         gap runs from the last event of the attempt before to the claim of the attempt
         after; for an attempt after the last one seen, to when it was due at the latest
-        (the longest retry wait, plus slack for the claim to come round)."""
+        (the longest retry wait, plus slack for the claim to come round). Never for a queue
+        that counts received claims: a worker logs a claim before it confirms receiving it,
+        so a claim it never logged was never received, and gave its attempt back."""
+        if self.cfg.guarantees.attempts_count == "received":
+            return None
         seen = self.attempts_of.get(job, set())
         if not seen:
             return None

@@ -367,3 +367,91 @@ def test_a_target_dies_with_a_harness_killed_by_sigkill(tmp_path: Path) -> None:
         return True if stat.split(") ")[1].startswith("Z") else None
 
     assert wait_for("the orphaned target to exit", gone, limit=15.0)
+
+
+def _worker_command(spec: BackendSpec, target: TargetProcess, events_dir: Path, pg_dsn: str,
+                    *extra: str) -> subprocess.Popen[str]:
+    """`skiplock worker --workers 1` in its own session, as a terminal would start it."""
+    env = {k: v for k, v in os.environ.items() if k != "SKIPLOCK_PG_DSN"}
+    env["SKIPLOCK_PG_DSN"] = pg_dsn
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "skiplock.scenarios.cli", "worker",
+            "--workers", "1", "--batch", "2", "--lease", "2", "--http-timeout", "0.5",
+            "--write-margin", "0.5", "--poll", "0.1",
+            "--schema", spec.schema,
+            "--allow-target", f"127.0.0.1:{target.port}",
+            "--events-dir", str(events_dir), *extra,
+        ],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def _starts(events_dir: Path) -> list[dict[str, Any]]:
+    """Every worker's `start` event, oldest first."""
+    found = [e for path in events_dir.glob(f"*{LOG_SUFFIX}") for e in events(path)
+             if e["kind"] == "start"]
+    return sorted(found, key=lambda e: float(e["time"]))
+
+
+def test_worker_command_replaces_a_killed_worker_every_time_and_keeps_delivering(
+    spec: BackendSpec, target: TargetProcess, tmp_path: Path, pg_dsn: str
+) -> None:
+    """Ten SIGKILLs in a row, each once the worker has delivered a job (2.5 s apart at the
+    least, as an operator would): each time a new worker takes the slot, with a new id that
+    names the one it replaces, and the command runs on."""
+    events_dir = tmp_path / "cli"
+    process = _worker_command(spec, target, events_dir, pg_dsn)
+    kills = 10
+    try:
+        for n in range(kills + 1):
+            start = wait_for(f"worker {n} to start",
+                             lambda n=n: (_starts(events_dir)[n:] or [None])[0])
+            [job_id] = enqueue(spec, target.deliver_url, SLOW, count=1)
+            wait_for(f"job {n} to complete",
+                     lambda j=job_id: snapshot(spec)[j].status is JobStatus.COMPLETED)
+            assert process.poll() is None, process.communicate()[1]
+            if n < kills:
+                time.sleep(max(0.0, float(start["time"]) + 2.5 - time.time()))
+                os.kill(int(start["data"]["pid"]), signal.SIGKILL)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 143, err
+    starts = _starts(events_dir)
+    assert len(starts) == kills + 1
+    ids = [s["worker"] for s in starts]
+    assert len(set(ids)) == len(ids)
+    # host, the command's pid and a counter: unique across invocations and hosts
+    assert ids[0].endswith(f"-{process.pid}-0")
+    assert [s["data"].get("replaces") for s in starts] == [None, *ids[:-1]]
+    by_job = {d["job_id"] for d in deliveries(target)}
+    assert len(by_job) == kills + 1
+
+
+def test_worker_command_gives_up_on_a_crash_loop_in_one_line(
+    spec: BackendSpec, target: TargetProcess, tmp_path: Path, pg_dsn: str
+) -> None:
+    """Every worker dies at its first claim: three deaths within 30 s end the command with
+    exit 4 and one line that says so; no worker is left behind."""
+    events_dir = tmp_path / "cli"
+    enqueue(spec, target.deliver_url, SLOW, count=20)
+    process = _worker_command(spec, target, events_dir, pg_dsn,
+                              "--failpoint", "crash_after_claim=1", "--crash-loop", "3/30")
+    try:
+        _, err = process.communicate(timeout=90)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 4, err
+    [line] = [e for e in err.splitlines() if "crash loop" in e]
+    assert "3 worker deaths within 30 s" in line
+    starts = _starts(events_dir)
+    assert len(starts) == 3
+    for start in starts:
+        assert not pid_alive(int(start["data"]["pid"]))

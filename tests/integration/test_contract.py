@@ -16,6 +16,7 @@ import pytest
 from skiplock.queue_impl.interface import (
     Account,
     AttemptResult,
+    ConfirmsReceipt,
     JobState,
     JobStatus,
     NewJob,
@@ -86,8 +87,8 @@ def job(account: str = "a", *, max_attempts: int = 3, run_at: datetime | None = 
     )
 
 
-def ok(lease_result: object) -> None:
-    assert lease_result == [WriteResult.APPLIED]
+def ok(lease_result: list[WriteResult]) -> None:
+    assert lease_result and lease_result == [WriteResult.APPLIED] * len(lease_result)
 
 
 def test_implements_the_protocol(clocked: Clocked) -> None:
@@ -196,6 +197,7 @@ def test_expired_lease_is_recovered_and_the_stale_worker_fenced(clocked: Clocked
     retry, dead = job(max_attempts=2), job(max_attempts=1)
     q.enqueue([retry, dead])
     stale = {lease.job_id: lease for lease in q.claim("old", 2, LEASE)}
+    ok(q.receive(list(stale.values())))
     clocked.advance(LEASE.total_seconds() - 1)
     assert q.recover() == 0
     clocked.advance(2)
@@ -210,6 +212,33 @@ def test_expired_lease_is_recovered_and_the_stale_worker_fenced(clocked: Clocked
     assert q.renew([stale[retry.id]], LEASE) == [None]
     ok(q.finish([AttemptResult(lease=fresh, outcome=Outcome.SUCCESS)]))
     assert clocked.state(retry.id).status is JobStatus.COMPLETED
+
+
+def test_an_expired_lease_never_received_gives_its_attempt_back(clocked: Clocked) -> None:
+    """A claim whose worker never confirmed it (its answer lost with the connection) was
+    never delivered: recovery makes the job due again with its attempt count unchanged, and
+    the lost holder is fenced, its late receipt included."""
+    skip_for(clocked, "pg-long-tx", why="the claim is uncommitted, so there is no lease to expire")
+    q = clocked.queue
+    assert isinstance(q, ConfirmsReceipt)
+    first, last = job(max_attempts=2), job(max_attempts=1)
+    q.enqueue([first, last])
+    leases = {lease.job_id: lease for lease in q.claim("ghost", 2, LEASE)}
+    clocked.advance(LEASE.total_seconds() + 1)
+    assert q.recover() == 2
+    for j in (first, last):
+        state = clocked.state(j.id)
+        assert (state.status, state.attempts) == (JobStatus.PENDING, 0)
+    assert q.receive([leases[first.id]]) == [WriteResult.FENCED]
+    again = {lease.job_id: lease for lease in q.claim("new", 10, LEASE)}
+    assert {k: v.attempt for k, v in again.items()} == {first.id: 1, last.id: 1}
+    # A lease received before it expired counts: the job with one attempt is dead-lettered.
+    ok(q.receive(list(again.values())))
+    clocked.advance(LEASE.total_seconds() + 1)
+    assert q.recover() == 2
+    assert clocked.state(last.id).status is JobStatus.FAILED
+    assert (clocked.state(first.id).status, clocked.state(first.id).attempts) == (
+        JobStatus.RETRYING, 1)
 
 
 def test_renew_extends_a_held_lease(clocked: Clocked) -> None:

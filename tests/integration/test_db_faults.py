@@ -141,6 +141,44 @@ def test_terminate_backends_is_skipped_when_no_session_matches(db_dsn: str) -> N
         fault.apply()
 
 
+def test_terminate_backends_aimed_at_commits_ends_claims_as_they_commit(
+        db_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phase "commit": only sessions caught inside a COMMIT are ended, up to `count`, and a
+    claim ended there may have committed unseen (its lease then never received)."""
+    from datetime import timedelta
+
+    from skiplock.queue_impl.interface import NewJob
+    from skiplock.queue_impl.pg import APPLICATION_NAME_ENV, PgQueue
+
+    prefix = f"skiplock-sut-s_{uuid.uuid4().hex[:8]}-"
+    monkeypatch.setenv(APPLICATION_NAME_ENV, prefix + "worker-1")
+    queue = PgQueue(db_dsn, schema="commits")
+    queue.setup()
+    queue.enqueue([NewJob(id=uuid.uuid4(), account_id="a", target_url="http://127.0.0.1:9/",
+                          payload={}, max_attempts=100) for _ in range(3000)])
+    planned = PlannedFault(kind="terminate_backends", at=0.0, duration=5.0, count=3,
+                           probability=1.0, external="skip", seed=7, phase="commit")
+    errors = 0
+    with connect(db_dsn, prefix + "idle") as idle:
+        fault = TerminateBackends(FakeContext(dsn=db_dsn, app_prefix=prefix), planned)
+        assert fault.apply() == ["postgres"]
+        try:
+            # Each ended COMMIT is usually one error here; one ended after its answer
+            # was sent shows as an error on the next call, or none if it was the last.
+            deadline = time.monotonic() + 4.0
+            while errors < 3 and time.monotonic() < deadline:
+                try:
+                    queue.receive(queue.claim("w", 5, timedelta(seconds=60)))
+                except psycopg.OperationalError:
+                    errors += 1
+        finally:
+            fault.heal()
+            queue.close()
+        assert alive(idle)
+    assert fault.data["terminated"] == 3 and errors >= 1
+    assert fault.data["phase"] == "commit" and fault.data["polls"] > 0
+
+
 # --- pin_xmin --------------------------------------------------------------------------------
 
 

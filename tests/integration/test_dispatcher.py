@@ -108,6 +108,8 @@ class EchoServer:
             response = web.Response(status=302, headers={"Location": self.url("/landing")})
         elif request.path == "/flaky":
             response = web.Response(status=503 if seen == 1 else 200)
+        elif request.path == "/fail-twice":
+            response = web.Response(status=503 if seen <= 2 else 200)
         elif request.path == "/bad":
             response = web.Response(status=400)
         elif request.path == "/slow":
@@ -465,13 +467,15 @@ def test_a_failure_in_the_write_stops_the_worker_loudly(
 
 
 class EveryWriteLost(PgQueue):
-    """The first three result writes (a send and its two resends) lose the connection."""
+    """Every result write sent in the 2.5 s after the first loses the connection: longer than
+    the 2 s lease, so the worker gives the write up."""
 
-    lost = 3
+    first: float | None = None
 
     def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
-        if self.lost:
-            self.lost -= 1
+        now = time.monotonic()
+        self.first = self.first or now
+        if now - self.first < 2.5:
             self.close()
             raise psycopg.OperationalError("server closed the connection unexpectedly")
         return super().finish(results)
@@ -488,7 +492,9 @@ def test_a_write_lost_on_every_send_is_info_then_the_worker_goes_on(
     writes = [f for kind, f in events if kind == "write"]
     assert [w["result"] for w in writes] == ["info", "applied"]
     assert "server closed the connection" in writes[0]["error"]
-    assert [f["op"] for kind, f in events if kind == "error"] == ["finish"] * 3
+    # Sent again, backing off, until the lease (2 s) may have passed: then given up.
+    sends = [f for kind, f in events if kind == "error" and f["op"] == "finish"]
+    assert len(sends) > 3
     # The unknown write never landed: the lease expired, recovery retried the job.
     assert states[job.id].status is JobStatus.COMPLETED
     assert states[job.id].attempts == 2
@@ -872,17 +878,19 @@ def test_worker_command_refuses_an_event_log_it_cannot_append_to(
     make_bad: Callable[[Path], object], message: str,
 ) -> None:
     from skiplock.scenarios.cli import main
+    from skiplock.scenarios.workers import unique_prefix
 
     events_dir = tmp_path / "events"
     events_dir.mkdir()
-    bad = events_dir / "worker-1.csv"
+    # The second worker's log (ids name the host and the command's pid: this process).
+    bad = events_dir / f"{unique_prefix()}-1.csv"
     make_bad(bad)
     before = sorted(events_dir.rglob("*"))
     argv = ["worker", "--dsn", pg_dsn, "--schema", fresh_schema, "--events-dir",
             str(events_dir), "--workers", "2"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert message in err and "worker-1.csv" in err
+    assert message in err and bad.name in err
     assert err.count("\n") == 1
     # Refused before anything was written: no log for the other worker either.
     assert sorted(events_dir.rglob("*")) == before
@@ -905,3 +913,132 @@ def test_worker_command_with_a_bad_events_dir_leaves_the_database_untouched(
             "SELECT 1 FROM information_schema.schemata WHERE schema_name = %s", (fresh_schema,)
         ).fetchone()
     assert row is None, "the queue schema was created before the bad input was refused"
+
+
+class GhostClaims(PgQueue):
+    """Its first `ghosts` claims that take rows commit, then lose their session before the
+    worker reads them: the claim's own session is ended with pg_terminate_backend right after
+    its COMMIT, and the worker gets the error a terminated session gives."""
+
+    def __init__(self, dsn: str, *, schema: str, ghosts: int,
+                 sql: str | Path | None = None) -> None:
+        super().__init__(dsn, schema=schema, sql=sql)
+        self.dsn = dsn
+        self.ghosts = ghosts
+        self.claim_result_hook = self._terminate
+
+    def _terminate(self) -> None:
+        if not self.ghosts:
+            return
+        self.ghosts -= 1
+        pid = self.backend_pids()["lease"]
+        with psycopg.connect(self.dsn, autocommit=True) as admin:
+            # Waits (up to 5 s) until the session is gone.
+            [[ended]] = admin.execute("SELECT pg_terminate_backend(%s, 5000)", [pid]).fetchall()
+        assert ended
+        raise psycopg.errors.AdminShutdown("terminating connection due to administrator command")
+
+
+def _ghost_run(queue: Queue, server: EchoServer, sql: Path | None
+               ) -> tuple[JobState, list[Event], list[dict[str, Any]], int]:
+    """A job scripted 503, 503, 200 with max_attempts 3, whose first two claims are ghosts."""
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",))
+    [job] = enqueue(queue, server.url("/fail-twice"))
+    backend = GhostClaims(queue.dsn, schema=queue.schema, ghosts=2, sql=sql)
+    states, events = run_until(queue, config, all_terminal, backend=backend, limit=30)
+    attempts = [row for row in queue.attempts_log() if row["job_id"] == job.id]
+    return states[job.id], events, attempts, len(server.hits_for(job.id))
+
+
+def test_a_claim_whose_result_was_lost_with_its_session_uses_no_attempt(
+    queue: Queue, server: EchoServer
+) -> None:
+    state, events, attempts, hits = _ghost_run(queue, server, None)
+    # The worker saw two failed claims, never their leases ...
+    assert [f["op"] for kind, f in events if kind == "error"] == ["claim", "claim"]
+    # ... both had committed, expired unreceived and were given back, attempt unchanged ...
+    unreceived = [a for a in attempts if a["outcome"] == "unreceived"]
+    assert [a["attempt"] for a in unreceived] == [1, 1]
+    # ... so the job kept its three attempts, and was delivered three times.
+    assert hits == 3
+    assert (state.status, state.attempts) == (JobStatus.COMPLETED, 3)
+    assert sorted(a["outcome"] for a in attempts if a["outcome"] != "unreceived") == [
+        "success", "transient", "transient"]
+    assert [f["attempt"] for kind, f in events if kind == "claim"] == [1, 2, 3]
+
+
+def test_a_queue_that_counts_unreceived_claims_dead_letters_the_job_early(
+    queue: Queue, server: EchoServer
+) -> None:
+    """The same run against the mutant that keeps the attempt of a claim nobody received:
+    the job is dead-lettered after a single delivery (so the test above can fail)."""
+    mutant = Path(__file__).parents[1] / "mutants" / "unreceived_attempt_counts.sql"
+    state, _, _, hits = _ghost_run(queue, server, mutant)
+    assert (state.status, hits) == (JobStatus.FAILED, 1)
+
+
+@pytest.mark.chaos
+def test_a_result_write_outlasts_a_server_restart_of_two_seconds(
+    owned_pg_server: Any, server: EchoServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server goes down (immediate stop) while a call is in flight and is back about
+    two seconds later: the write is sent again, backing off, until it lands, well inside
+    the 8 s lease; the job is completed on its one delivery, not given up and redelivered."""
+    pg = owned_pg_server
+    control = type(pg._control)
+    started = control.start
+
+    def slow_start(self: Any) -> None:
+        time.sleep(1.5)  # the server stays down this much longer than its own restart
+        started(self)
+
+    config = replace(CONFIG, allow_targets=(f"127.0.0.1:{server.port}",), lease_seconds=8.0,
+                     http_timeout_seconds=3.0, write_margin_seconds=2.0)
+    queue = Queue(pg.dsn, schema="restart")
+    queue.setup()
+    queue.upsert_accounts([Account(id="acct-1")])
+    [job] = enqueue(queue, server.url("/slow"))  # answers after 1.6 s
+    queue.close()
+    outage: list[float] = []
+
+    def restart() -> None:
+        begun = time.monotonic()
+        monkeypatch.setattr(control, "start", slow_start)
+        pg.restart("immediate")
+        outage.append(time.monotonic() - begun)
+
+    def state() -> JobState | None:
+        with contextlib.suppress(psycopg.OperationalError):
+            return {s.job_id: s for s in queue.snapshot()}.get(job.id)
+        return None
+
+    with recorded("worker-r") as (events, sink):
+        dispatcher = Dispatcher(PgQueue(pg.dsn, schema="restart"), config, "worker-r", sink)
+
+        async def go() -> JobState | None:
+            task = asyncio.create_task(dispatcher.run())
+            try:
+                while not server.hits_for(job.id):
+                    await asyncio.sleep(0.01)
+                restarting = asyncio.create_task(asyncio.to_thread(restart))
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    found = await asyncio.to_thread(state) if restarting.done() else None
+                    if found is not None and found.status.terminal:
+                        return found
+                    await asyncio.sleep(0.1)
+                return None
+            finally:
+                dispatcher.request_stop("test over")
+                await task
+
+        final = asyncio.run(go())
+        queue.close()
+    if pg.dsn != queue.dsn:
+        pytest.skip("the server came back on another address")
+    [down] = outage
+    assert 1.5 < down < 5.0, down
+    assert final is not None and (final.status, final.attempts) == (JobStatus.COMPLETED, 1)
+    assert [f["result"] for kind, f in events if kind == "write"] == ["applied"]
+    assert any(kind == "error" and f["op"] == "finish" for kind, f in events)
+    assert len(server.hits_for(job.id)) == 1

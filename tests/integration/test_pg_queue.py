@@ -205,12 +205,61 @@ def test_naive_variant_really_double_claims(queue: PgQueue, pg_dsn: str, fresh_s
     assert any(len(workers) > 1 for workers in per_job.values())
 
 
+def test_a_claim_never_received_is_given_back_and_its_attempts_row_says_so(
+    queue: PgQueue,
+) -> None:
+    now = datetime.now(UTC)
+    queue.pin_clock(now)
+    [job] = jobs_for("a", 1, max_attempts=1)
+    queue.enqueue([job])
+    [ghost] = queue.claim("w", 1, LEASE)
+    assert queue.guarantees.attempts_count == "received"
+    queue.pin_clock(now + LEASE + timedelta(seconds=1))
+    assert queue.recover() == 1
+    [state] = queue.snapshot()
+    assert (state.status, state.attempts) == (JobStatus.PENDING, 0)
+    [row] = queue.attempts_log()
+    assert (row["lease_token"], row["attempt"], row["outcome"]) == (
+        ghost.lease_token, 1, "unreceived")
+    [again] = queue.claim("w", 1, LEASE)
+    assert again.attempt == 1 and queue.receive([again]) == [WriteResult.APPLIED]
+
+
+def test_a_sql_file_with_its_own_schema_and_no_receive_keeps_counting_claims(
+    pg_dsn: str, fresh_schema: str, tmp_path: Path
+) -> None:
+    """A file written before receipts (it replaces `schema`, defines no `receive`): no
+    receipt is sent, every committed claim counts, and the queue says so."""
+    from skiplock.queue_impl.sqlfile import reference_statements
+
+    own = tmp_path / "own.sql"
+    own.write_text("-- name: schema\n" + reference_statements()["schema"] + "\n")
+    queue = PgQueue(pg_dsn, schema=fresh_schema, sql=own)
+    try:
+        queue.setup()
+        queue.check_statements()
+        assert not queue.receipts and queue.guarantees.attempts_count == "claims"
+        now = datetime.now(UTC)
+        queue.pin_clock(now)
+        [job] = jobs_for("a", 1, max_attempts=1)
+        queue.enqueue([job])
+        [lease] = queue.claim("w", 1, LEASE)
+        assert queue.receive([lease]) == [WriteResult.APPLIED]
+        queue.pin_clock(now + LEASE + timedelta(seconds=1))
+        assert queue.recover() == 1
+        [state] = queue.snapshot()
+        assert state.status is JobStatus.FAILED
+    finally:
+        queue.close()
+
+
 def test_stale_completion_is_fenced_and_recorded(queue: PgQueue) -> None:
     now = datetime.now(UTC)
     queue.pin_clock(now)
     [job] = jobs_for("a", 1)
     queue.enqueue([job])
     [stale] = queue.claim("slow-worker", 1, LEASE)
+    assert queue.receive([stale]) == [WriteResult.APPLIED]
     queue.pin_clock(now + LEASE + timedelta(seconds=1))
     assert queue.recover() == 1
     [fresh] = queue.claim("other-worker", 1, LEASE)
@@ -239,8 +288,8 @@ def test_recovery_from_every_process_moves_each_lease_once(
     retry = jobs_for("a", 40, max_attempts=3)
     dead = jobs_for("a", 20, max_attempts=1)
     queue.enqueue(retry + dead)
-    while queue.claim("crashed", 25, LEASE):
-        pass
+    while leases := queue.claim("crashed", 25, LEASE):
+        queue.receive(leases)
     spec = BackendSpec(name="pg", dsn=pg_dsn, schema=fresh_schema)
     moved = in_processes(recover_until_empty, [(spec,)] * PROCESSES)
     assert sum(moved) == 60

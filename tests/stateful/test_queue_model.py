@@ -185,6 +185,15 @@ class QueueAgreement(RuleBasedStateMachine):
         self.spent.append(pair)
         assert self.pg.release([pair.pg]) == self.model.release([pair.model])
 
+    @precondition(lambda self: self.held or self.spent)
+    @rule(index=st.integers(0, 50), stale=st.booleans())
+    def receive(self, index: int, stale: bool) -> None:
+        """The worker confirms a claim in hand (again, or after its lease passed on, too):
+        until it does, an expired lease is given back with its attempt."""
+        pool = self.spent if stale and self.spent else self.held or self.spent
+        pair = pool[index % len(pool)]
+        assert self.pg.receive([pair.pg]) == self.model.receive([pair.model])
+
     @precondition(lambda self: self.held)
     @rule(index=st.integers(0, 50))
     def renew(self, index: int) -> None:

@@ -49,6 +49,15 @@ def test_a_schedule_repeats_inside_the_load_and_uses_the_kinds_defaults() -> Non
     assert hang.duration == 2.0  # HTTP timeout + 1
 
 
+def test_terminate_backends_aimed_at_commits_lasts_a_window() -> None:
+    [cut] = planned([NemesisSpec(kind="terminate_backends", at=1.0)], 1)
+    assert (cut.duration, cut.phase) == (0.0, "lease")  # instantaneous
+    [hunt] = planned([NemesisSpec(kind="terminate_backends", at=1.0, phase="commit",
+                                  count=4)], 1)
+    assert (hunt.duration, hunt.phase, hunt.count) == (nemesis.COMMIT_WINDOW_SECONDS,
+                                                       "commit", 4)
+
+
 def test_failpoint_windows_always_fire_and_carry_their_probability() -> None:
     [window] = planned([NemesisSpec(kind="crash_after_http", at=1.0, probability=0.05)], 3)
     assert window.probability == 0.05
@@ -67,6 +76,11 @@ def test_failpoint_windows_always_fire_and_carry_their_probability() -> None:
     ({"kind": "kill_worker", "probability": 2}, "probability must be between 0 and 1"),
     ({"kind": "kill_worker", "at": "soon"}, "at must be a number"),
     ({"kind": "restart_postgres", "external": "maybe"}, "external must be 'refuse' or 'skip'"),
+    ({"kind": "kill_worker", "phase": "commit"},
+     "phase 'commit' applies to terminate_backends only"),
+    ({"kind": "terminate_backends", "phase": "claim"},
+     "phase 'claim' applies to pause_worker only"),
+    ({"kind": "terminate_backends", "phase": "later"}, "phase must be 'lease', 'claim' or"),
 ])
 def test_bad_entries_are_refused_in_one_line(raw: dict[str, Any], message: str) -> None:
     with pytest.raises(NemesisError, match=message):

@@ -5,13 +5,16 @@ committed). A claim given back by an applied release used no attempt; under pg-l
 claim commits only with its result, so a claim whose worker died is rolled back and the
 claim rule is not applied there; nor for a queue that declares it counts finished attempts
 only (a pick whose worker died is not counted: BullMQ, pgqueuer), whose deliveries and
-permanent failures are still held to it."""
+permanent failures are still held to it. A queue that counts received claims (the reference)
+gives back a claim nobody received, and picks the job again under the same attempt number:
+there the claims counted are the distinct attempt numbers its claims carried."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import numpy as np
+import pandas as pd
 
 from skiplock.reports.checker.common import Example, attempt_number, fmt, shown
 from skiplock.reports.checker.explained import Explained
@@ -24,7 +27,7 @@ def find(f: Frame, e: Explained) -> Iterator[Example]:
         exceeded[j] = x
     for j, x in _after_permanent(f, e, exceeded):
         exceeded[j] = x
-    if f.cfg.guarantees.attempts_count == "claims":
+    if f.cfg.guarantees.attempts_count in ("claims", "received"):
         for j, x in _too_many_claims(f):
             exceeded.setdefault(j, x)
     yield from exceeded.values()
@@ -63,9 +66,16 @@ def _too_many_claims(f: Frame) -> Iterator[tuple[int, Example]]:
     if f.cfg.backend == "pg-long-tx" or not len(events) or "job" not in events:
         return
     of_job = events["job"] >= 0
-    claimed = events[of_job & (events["kind"] == "claim")].groupby("job").size()
-    given_back = events[of_job & (events["kind"] == "release")
-                        & (events["result"] == "applied")].groupby("job").size()
+    claims = events[of_job & (events["kind"] == "claim")]
+    if f.cfg.guarantees.attempts_count == "received":
+        # A re-pick under an earlier pick's number is keyed a fraction above it (by lease).
+        numbers = np.floor(claims["attempt"].to_numpy())
+        claimed = pd.Series(numbers, index=claims.index).groupby(claims["job"]).nunique()
+        given_back = pd.Series(dtype=np.int64)
+    else:
+        claimed = claims.groupby("job").size()
+        given_back = events[of_job & (events["kind"] == "release")
+                            & (events["result"] == "applied")].groupby("job").size()
     committed = claimed.sub(given_back, fill_value=0)
     if not len(committed):
         return

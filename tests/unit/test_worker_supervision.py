@@ -1,0 +1,41 @@
+"""`skiplock worker`'s supervision settings and worker ids (pure logic; the real kills are
+in tests/chaos/test_worker_signals.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import pytest
+
+from skiplock.plumbing.errors import UsageError
+from skiplock.scenarios.cmd_worker import _crash_loop
+from skiplock.scenarios.workers import CrashLoop, unique_prefix
+
+
+def test_crash_loop_is_deaths_over_seconds() -> None:
+    assert _crash_loop("3/30") == CrashLoop(deaths=3, seconds=30.0)
+    assert _crash_loop("1/0.5") == CrashLoop(deaths=1, seconds=0.5)
+
+
+@pytest.mark.parametrize("text", ["3", "0/5", "-1/5", "3/0", "3/-2", "x/5", "3/y", "2.5/5"])
+def test_a_crash_loop_that_means_nothing_is_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="is not N/SECONDS"):
+        _crash_loop(text)
+
+
+def test_crash_loop_validation_names_the_bad_value() -> None:
+    with pytest.raises(UsageError, match="deaths must be a positive whole number"):
+        CrashLoop(deaths=0).validate()
+    with pytest.raises(UsageError, match="seconds must be positive"):
+        CrashLoop(seconds=float("nan")).validate()
+
+
+def test_worker_ids_name_the_host_and_this_process() -> None:
+    prefix = unique_prefix()
+    host = socket.gethostname().split(".")[0]
+    assert prefix.startswith("worker-") and prefix.endswith(f"-{os.getpid()}")
+    if host.replace("-", "").isalnum():
+        assert f"-{host}-" in prefix
+    assert unique_prefix("w").startswith("w-")
