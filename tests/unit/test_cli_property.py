@@ -566,7 +566,7 @@ def nemesis_entry(draw: st.DrawFn) -> Any:
         ("count", st.one_of(st.integers(min_value=0, max_value=4), hostile_int, _wrong_type())),
         ("probability", st.one_of(st.floats(min_value=0, max_value=1), hostile_float)),
         ("external", st.one_of(st.sampled_from(["refuse", "skip", "SKIP", ""]), hostile_int)),
-        ("phase", st.one_of(st.sampled_from(["lease", "claim", "nope"]), st.booleans())),
+        ("phase", st.one_of(st.sampled_from(["lease", "claim", "commit", "nope"]), st.booleans())),
         ("bogus", st.integers()),
     ):
         if draw(st.integers(0, 3)) == 0:
