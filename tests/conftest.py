@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -165,3 +166,13 @@ def embedded_redis_only(monkeypatch: pytest.MonkeyPatch, harness_tmp: HarnessTmp
     yield
     assert harness_tmp.left_behind(provision_redis.DATA_PREFIX) == ([], {})
 
+
+@pytest.fixture
+def sigint_as_from_a_terminal() -> Iterator[None]:
+    """SIGINT at Python's default in this process, and so at the default in the processes it
+    starts, as a terminal starts a command, whatever this process was started with: a job put
+    in the background by a shell without job control starts with SIGINT ignored, and an
+    ignored signal stays ignored across exec, so a Ctrl-C sent to a command would be lost."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
