@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import signal
 import tempfile
@@ -92,6 +93,29 @@ def pg_server(request: pytest.FixtureRequest) -> Iterator[PgServer]:
             dsn = stack.enter_context(fresh_database(server.dsn, prefix=f"skiplock_test_{worker}"))
             server = dataclasses.replace(server, dsn=dsn, owned=False, _control=None)
         yield server
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_marked_solo(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """Under xdist, a test marked `solo` runs with no other test beside it: it waits for the
+    running ones to end, and the others wait for it (a readers-writer lock on two files the
+    workers share; the gate keeps a stream of ordinary tests from starving the solo one)."""
+    if _xdist_worker(request.config) is None:
+        yield
+        return
+    shared = tmp_path_factory.getbasetemp().parent  # the session's, above popen-gwN
+    solo = request.node.get_closest_marker("solo") is not None
+    with (shared / "solo.gate").open("a") as gate, (shared / "solo.lock").open("a") as lock:
+        if solo:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(gate, fcntl.LOCK_SH)
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
 
 
 @pytest.fixture

@@ -24,13 +24,13 @@ def skiplock(*args: str | Path, timeout: float = 120) -> subprocess.CompletedPro
     )
 
 
+# Recovery is throughput back near its pre-fault level: with other tests loading the machine
+# it came back too unevenly to count as recovered, even given 6 s.
+@pytest.mark.solo
 def test_one_kind_gives_a_finite_recovery_and_a_valid_verdict(pg_dsn: str,
                                                              tmp_path: Path) -> None:
     out = tmp_path / "recovery.json"
-    # 6 s of load after the fault: 3 s was too little for throughput to come back while other
-    # tests loaded the machine (the suite runs on four workers), and the run said "not
-    # recovered".
-    done = skiplock("bench", "recovery", "--kinds", "terminate_backends", "--duration", "8",
+    done = skiplock("bench", "recovery", "--kinds", "terminate_backends", "--duration", "5",
                     "--fault-at", "2", "--dsn", pg_dsn, "--out", out)
     assert done.returncode == 0, (done.stdout, done.stderr)
     assert "terminate_backends" in done.stdout
