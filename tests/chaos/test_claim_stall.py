@@ -7,7 +7,7 @@ recovers and redelivers. Had the stalled worker sent its calls on waking, the ta
 see the same job twice at once and the account above its limit.
 
 A deferred constraint trigger on the test schema reproduces the stall without touching the
-queue: the stalled worker's first claim sleeps at COMMIT for the lease + 3 s. Real worker
+queue: the stalled worker's first claim sleeps at COMMIT for the lease + 6 s. Real worker
 processes, the reference queue and the echo target; the target's own record, the stalled
 worker's log and the checker (from the recorded history alone) must all agree that nothing
 was sent on an expired lease.
@@ -51,7 +51,10 @@ pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 T = TypeVar("T")
 
 LEASE = 3.0
-STALL = LEASE + 3.0
+# The healthy worker's process starts once the stall is seen, and must be running before the
+# stalled leases run out: past the lease, the stall leaves it that long to start. A worker's
+# start (a fresh interpreter and its imports) took over 4 s on a busy two-core machine.
+STALL = LEASE + 6.0
 ACCOUNT = "acct"
 LIMIT = 2
 JOBS = 3  # the stalled claim takes LIMIT of them; the rest wait behind the locked account

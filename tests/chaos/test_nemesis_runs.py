@@ -35,7 +35,10 @@ def test_a_five_percent_crash_rate_drains_because_dead_workers_are_replaced(
         pg_dsn: str, tmp_path: Path) -> None:
     result = run(pg_dsn, tmp_path, "steady",
                  ["duration=4", "warmup=0.5", "rate=60", "lease=3", "http_timeout=1",
-                  "write_margin=1", "failpoints.crash_after_claim=0.05"])
+                  "write_margin=1", "failpoints.crash_after_claim=0.05",
+                  # Every replacement is a fresh interpreter, slow to start on a machine busy
+                  # with the tests beside this one: 30 s was seen to run out.
+                  "drain_timeout=90"])
     assert result.info.drained, result.info.exit_reason
     assert result.verdict.valid is True, result.verdict.examples
     events = worker_events(result.run_dir)

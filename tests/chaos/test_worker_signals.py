@@ -38,7 +38,7 @@ from skiplock.reports.history import (
 )
 from skiplock.scenarios.workers import WorkerPool
 
-pytestmark = [pytest.mark.chaos, pytest.mark.usefixtures("ctrl_c_as_in_a_terminal")]
+pytestmark = pytest.mark.chaos
 
 T = TypeVar("T")
 
@@ -242,6 +242,7 @@ def test_crash_after_http_failpoint_kills_the_worker_before_the_write(
     ("how", "exit_code"),
     [("sigterm", 143), ("ctrl-c", 130)],
 )
+@pytest.mark.usefixtures("sigint_as_from_a_terminal")
 def test_worker_command_drains_and_leaves_no_child(
     spec: BackendSpec,
     target: TargetProcess,

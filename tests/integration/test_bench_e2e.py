@@ -15,6 +15,9 @@ from skiplock.scenarios import bench_e2e
 pytestmark = pytest.mark.integration
 
 
+# Its check that no skiplock_pgqueuer database is left looks at the whole server, where
+# test_bench_queue's pgqueuer phase makes one: the two run on one xdist worker, in turn.
+@pytest.mark.xdist_group("pgqueuer-databases")
 def test_bench_e2e_against_bullmq_relaxed_runs_all_three_phases(
         pg_dsn: str, tmp_path: Path, embedded_redis_only: None,
         capfd: pytest.CaptureFixture[str]) -> None:

@@ -63,6 +63,9 @@ def test_bench_queue_writes_a_self_describing_result(pg_dsn: str, tmp_path: Path
     assert row == (0,)
 
 
+# Its check that no skiplock_pgqueuer database is left looks at the whole server: the other
+# test that checks so (test_bench_e2e) runs on the same xdist worker, never at the same time.
+@pytest.mark.xdist_group("pgqueuer-databases")
 def test_bench_queue_against_pgqueuer_measures_it_beside_the_reference(
         pg_dsn: str, tmp_path: Path) -> None:
     """pgqueuer's own QueueManager processes drain the same backlog on the same server, and

@@ -24,6 +24,9 @@ def skiplock(*args: str | Path, timeout: float = 120) -> subprocess.CompletedPro
     )
 
 
+# Recovery is throughput back near its pre-fault level: with other tests loading the machine
+# it came back too unevenly to count as recovered, even given 6 s.
+@pytest.mark.solo
 def test_one_kind_gives_a_finite_recovery_and_a_valid_verdict(pg_dsn: str,
                                                              tmp_path: Path) -> None:
     out = tmp_path / "recovery.json"

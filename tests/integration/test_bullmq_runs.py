@@ -11,8 +11,8 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,15 +38,9 @@ def _run(scenario: str, out: Path, pg_dsn: str, *extra: str) -> tuple[dict, Path
     return json.loads(done.stdout), run_dir
 
 
-def _left_behind() -> tuple[set[Path], str]:
-    folders = set(Path(tempfile.gettempdir()).glob(f"{DATA_PREFIX}*"))
-    left = subprocess.run(["pgrep", "-f", DATA_PREFIX], capture_output=True, text=True,
-                          check=False)
-    return folders, left.stdout.strip()
-
-
-def test_steady_on_bullmq_with_embedded_redis(pg_dsn: str, tmp_path: Path) -> None:
-    before, _ = _left_behind()
+def test_steady_on_bullmq_with_embedded_redis(pg_dsn: str, tmp_path: Path,
+                                             harness_tmp: Any) -> None:
+    # The run's TMPDIR is this test's own (harness_tmp): Redis's folder is made there.
     verdict, run_dir = _run("steady", tmp_path / "runs", pg_dsn, "--duration", "3")
     assert verdict["valid"] is True
     counts = verdict["counts"]
@@ -67,8 +61,7 @@ def test_steady_on_bullmq_with_embedded_redis(pg_dsn: str, tmp_path: Path) -> No
     assert len(finals) == counts["enqueued"]
     assert all(",COMPLETED," in row for row in finals)
     # The queue's keys, the embedded server and its folder are gone.
-    after, running = _left_behind()
-    assert after <= before and running == ""
+    assert harness_tmp.left_behind(DATA_PREFIX) == ([], {})
 
 
 def test_kill_workers_on_bullmq_is_judged(pg_dsn: str, tmp_path: Path) -> None:

@@ -30,8 +30,11 @@ from skiplock.reports.history import (
 )
 from skiplock.scenarios.provision import DATA_PREFIX, DSN_ENV, OWNER_FILE
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120),
-              pytest.mark.usefixtures("ctrl_c_as_in_a_terminal")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(120),
+    pytest.mark.usefixtures("sigint_as_from_a_terminal"),
+]
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -33,7 +33,7 @@ from skiplock.chaos.nemesis_db import (
     TerminateBackends,
     like_prefix,
 )
-from skiplock.scenarios.provision import PgServer, fresh_database
+from skiplock.scenarios.provision import DSN_ENV, PgServer, fresh_database, postgres
 
 pytestmark = pytest.mark.integration
 
@@ -242,14 +242,24 @@ def test_pin_xmin_holds_back_vacuum_until_healed(db_dsn: str) -> None:
 # --- exhaust_pool ----------------------------------------------------------------------------
 
 
-def test_exhaust_pool_refuses_new_connections_until_healed(pg_dsn: str) -> None:
-    fault = make(ExhaustPool, FakeContext(dsn=pg_dsn), duration=3.0)
+@pytest.fixture
+def lone_dsn(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A server of this test's own, even when SKIPLOCK_PG_DSN is set: exhaust_pool takes every
+    connection slot, which would refuse the tests running beside it on a shared server. Few
+    slots, so that taking them all is quick on a machine busy with those tests."""
+    monkeypatch.delenv(DSN_ENV, raising=False)
+    with postgres(durable=False, settings={"max_connections": "40"}) as server:
+        yield server.dsn
+
+
+def test_exhaust_pool_refuses_new_connections_until_healed(lone_dsn: str) -> None:
+    fault = make(ExhaustPool, FakeContext(dsn=lone_dsn), duration=3.0)
     started = time.monotonic()
     try:
         assert fault.apply() == ["postgres"]
         applied = time.monotonic() - started
         with pytest.raises(psycopg.OperationalError, match=r"too many clients|slots are reserved"):
-            connect(pg_dsn, "skiplock-test-refused").close()
+            connect(lone_dsn, "skiplock-test-refused").close()
     finally:
         fault.heal()
     healed = time.monotonic() - started
@@ -261,9 +271,9 @@ def test_exhaust_pool_refuses_new_connections_until_healed(pg_dsn: str) -> None:
     assert "too many clients" in fault.data["refusal"] or "reserved" in fault.data["refusal"]
     assert applied < 2.0
     # heal() returns once the slots are free again: a new connection works at once.
-    with connect(pg_dsn, "skiplock-test-after") as conn:
+    with connect(lone_dsn, "skiplock-test-after") as conn:
         assert conn.execute("SELECT 1").fetchone() == (1,)
-    assert backends_named(pg_dsn, EXHAUST_APPLICATION_NAME) == 0
+    assert backends_named(lone_dsn, EXHAUST_APPLICATION_NAME) == 0
     fault.heal()
 
 

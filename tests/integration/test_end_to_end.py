@@ -251,6 +251,9 @@ def test_worker_killed_with_recovery_off_is_reported(
 OFFERED = ["workers=3", "rate=400", "enqueue_batch=10", "batch=10"]
 
 
+# The figures are kept in this module's THROUGHPUT for test_print_throughput_beside_pg: the
+# group keeps all four on one xdist worker (in this order), where that dict lives.
+@pytest.mark.xdist_group("throughput-beside-pg")
 @pytest.mark.parametrize("backend", ["pg", "pg-for-update", "pg-long-tx"])
 def test_locking_variants_pass_and_their_throughput_is_measured(
     pg_dsn: str, tmp_path: Path, backend: str
@@ -262,6 +265,7 @@ def test_locking_variants_pass_and_their_throughput_is_measured(
     assert result.verdict.valid is True, result.verdict.to_json()
 
 
+@pytest.mark.xdist_group("throughput-beside-pg")
 def test_print_throughput_beside_pg(capsys: pytest.CaptureFixture[str]) -> None:
     """Not a timing assertion: prints the figures of the runs above side by side."""
     if "pg" not in THROUGHPUT:

@@ -165,12 +165,15 @@ def test_an_interrupted_run_drops_its_schema_and_closes_its_sessions(
         row = conn.execute("SELECT count(*) FROM pg_database WHERE datname = %s",
                            (databases[0],)).fetchone()
         assert row == (0,)
-        # A backend ends a moment after its client closes the connection.
+        # A backend ends a moment after its client closes the connection. The run's sessions
+        # were in this database or its own; another test's `plans` run has sessions of the
+        # same name in others.
         deadline = time.monotonic() + 5
         while True:
             left = conn.execute("SELECT count(*) FROM pg_stat_activity"
-                                " WHERE application_name = %s",
-                                (plans.APPLICATION_NAME,)).fetchone()
+                                " WHERE application_name = %s"
+                                " AND datname IN (current_database(), %s)",
+                                (plans.APPLICATION_NAME, databases[0])).fetchone()
             if left == (0,) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
