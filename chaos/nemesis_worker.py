@@ -11,15 +11,18 @@ import signal
 import time
 
 from skiplock.chaos.nemesis import Fault, FaultSkipped, register
+from skiplock.queue_impl.dispatcher import (
+    PAUSE_IN_CLAIM,
+    PAUSE_IN_CLAIM_FIRING,
+    PAUSE_IN_CLAIM_SECONDS,
+)
 
 # How long a firing waits for some worker to hold a lease (under light load a worker holds
 # its leases for milliseconds at a time), and how often it looks.
 HOLDER_WAIT_SECONDS = 2.0
 HOLDER_POLL_SECONDS = 0.003
-# How long a claim-phase pause waits for some worker to claim; the failpoint file's key for
-# how long the stalled worker sleeps (read by skiplock.queue_impl.dispatcher).
+# How long a claim-phase pause waits for some worker to claim.
 CLAIM_STALL_WAIT_SECONDS = 5.0
-PAUSE_SECONDS_KEY = "pause_in_claim_seconds"
 
 
 def _choose_holders(fault: Fault) -> list[str]:
@@ -74,9 +77,12 @@ class PauseWorker(Fault):
     def _stall_a_claim(self) -> list[str | None]:
         self.data["phase"] = "claim"
         seconds = self.planned.duration
-        self.ctx.set_failpoint(PAUSE_SECONDS_KEY, seconds)
+        # The failpoint file's keys, as the dispatcher reads them: how long the stalled worker
+        # sleeps, and a number of this firing's own, so only the first claimer takes it.
+        self.ctx.set_failpoint(PAUSE_IN_CLAIM_SECONDS, seconds)
+        self.ctx.set_failpoint(PAUSE_IN_CLAIM_FIRING, float(time.time_ns() // 1_000_000))
         opened = time.time()
-        self.ctx.set_failpoint("pause_in_claim", 1.0)
+        self.ctx.set_failpoint(PAUSE_IN_CLAIM, 1.0)
         found: dict[str, float] = {}
         deadline = time.monotonic() + CLAIM_STALL_WAIT_SECONDS
         try:
@@ -84,7 +90,7 @@ class PauseWorker(Fault):
                 found.update(self._stalled_claims(opened))
                 time.sleep(0.02)
         finally:
-            self.ctx.set_failpoint("pause_in_claim", 0.0)
+            self.ctx.set_failpoint(PAUSE_IN_CLAIM, 0.0)
         # A worker that decided to stall just before the window closed is asleep by now.
         time.sleep(0.1)
         found.update(self._stalled_claims(opened))

@@ -94,7 +94,11 @@ FAILPOINT_NAMES: tuple[FailpointName, ...] = ("crash_after_claim", "crash_after_
 # stalled session): stall inside the claim transaction, before its COMMIT, this many seconds.
 PAUSE_IN_CLAIM = "pause_in_claim"
 PAUSE_IN_CLAIM_SECONDS = "pause_in_claim_seconds"
-_FILE_KEYS = frozenset({*FAILPOINT_NAMES, PAUSE_IN_CLAIM, PAUSE_IN_CLAIM_SECONDS})
+# One stall per firing: the firing's number, and the first worker to create the marker file
+# named after it is the one that stalls (two workers claiming at once must not both freeze).
+PAUSE_IN_CLAIM_FIRING = "pause_in_claim_firing"
+_FILE_KEYS = frozenset({*FAILPOINT_NAMES, PAUSE_IN_CLAIM, PAUSE_IN_CLAIM_SECONDS,
+                        PAUSE_IN_CLAIM_FIRING})
 # The exit status of a process killed by a failpoint, so the pool can tell it from a bug.
 FAILPOINT_EXIT_CODE = 77
 
@@ -1061,8 +1065,24 @@ class Failpoints:
         claim transaction would, while the leases' clock runs."""
         found = self._file_failpoints()
         probability = found.get(PAUSE_IN_CLAIM, 0.0)
-        if probability > 0 and self._rng.random() < probability:
+        if probability > 0 and self._rng.random() < probability and self._first_to_stall(
+                found.get(PAUSE_IN_CLAIM_FIRING)):
             time.sleep(max(0.0, found.get(PAUSE_IN_CLAIM_SECONDS, 0.0)))
+
+    def _first_to_stall(self, firing: float | None) -> bool:
+        """Whether this worker takes the firing's one stall (an exclusive create of its
+        marker beside the failpoint file); every claimer stalls when no firing is named."""
+        path = self.config.failpoint_file
+        if firing is None or path is None:
+            return True
+        try:
+            os.close(os.open(f"{path}.stall-{int(firing)}",
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        except OSError:
+            return True
+        return True
 
     def fires(self, name: FailpointName) -> bool:
         """This worker's next decision for failpoint `name`."""
