@@ -302,9 +302,14 @@ def timed_out_call(start: float, end: float, timeout_seconds: float) -> Call:
 # The fields of each event about one lease, as `emit` takes them. Module functions, so that
 # whatever writes a worker's history by hand (a synthetic history, a test's) writes exactly
 # what the dispatcher does.
-def claim_event(lease: Lease) -> dict[str, Any]:
-    return {"job_id": str(lease.job_id), "attempt": lease.attempt,
-            "lease_token": str(lease.lease_token), "locked_until": _iso(lease.locked_until)}
+def claim_event(lease: Lease, started: float | None = None) -> dict[str, Any]:
+    """A lease taken; `started`: when the claim that took it was sent (epoch seconds), the
+    earliest the row can have been taken (the checker orders claims by it)."""
+    event = {"job_id": str(lease.job_id), "attempt": lease.attempt,
+             "lease_token": str(lease.lease_token), "locked_until": _iso(lease.locked_until)}
+    if started is not None:
+        event["started"] = started
+    return event
 
 
 def renew_event(lease: Lease, locked_until: datetime | None) -> dict[str, Any]:
@@ -735,8 +740,9 @@ class Dispatcher:
         LEASE_TOO_SHORT; the release is fenced where a lease passed on). The leases to send
         are then received (`_receive`) and pass the crash_after_claim failpoint."""
         claimed_at = time.monotonic()
+        sent = time.time() - (claimed_at - claim_sent)
         for lease in leases:
-            self.emit("claim", **claim_event(lease))
+            self.emit("claim", **claim_event(lease, started=sent))
         if self.stopping:
             return False, None
         if not self._lease_fits(leases, claim_sent, claimed_at):

@@ -145,6 +145,10 @@ class Guarantees:
     # The retry wait is capped at the configured cap (the reference's capped backoff). A
     # queue without a cap waits longer than the cap allows once the cap would bind.
     retry_cap: bool = True
+    # Jobs are served in the order they became due, within each account's limit: a due job
+    # of an account with a free slot is not left waiting while later jobs of other accounts
+    # are claimed (`starvation`).
+    fairness: bool = True
     # The pause_in_claim fault: the queue's claim is a transaction the harness can stall
     # between its statements and its COMMIT.
     claim_transaction: bool = True
@@ -154,6 +158,7 @@ class Guarantees:
 
     def to_json(self) -> dict[str, Any]:
         return {"account_limits": self.account_limits, "fencing": self.fencing,
+                "fairness": self.fairness,
                 "attempts_count": self.attempts_count, "retry_cap": self.retry_cap,
                 "claim_transaction": self.claim_transaction,
                 "recovery_switch": self.recovery_switch}
@@ -161,7 +166,7 @@ class Guarantees:
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Guarantees:
         """From spec.json's `guarantees`; ValueError for a value of the wrong type."""
-        flags = ("account_limits", "fencing", "retry_cap", "claim_transaction",
+        flags = ("account_limits", "fencing", "fairness", "retry_cap", "claim_transaction",
                  "recovery_switch")
         for key in flags:
             if not isinstance(raw.get(key, True), bool):

@@ -28,6 +28,7 @@ from skiplock.reports.checker import (
     write_verdict,
 )
 from skiplock.reports.history import VERDICT_FILE, HistoryError
+from skiplock.reports.objectives import ObjectiveError, Objectives, split_overrides
 
 EXIT_BAD_INPUT = 2
 EXIT_HARNESS = 4
@@ -47,6 +48,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_TOLERANCE_SECONDS,
         metavar="SECONDS",
         help="slack allowed when comparing event times (default %(default)s)",
+    )
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="objectives.KEY=VALUE",
+        help="judge with this objective instead of the run's (repeatable), e.g. "
+             "objectives.first_delivery_p99=0.5 or objectives.account.acme.oldest_due_age=2",
     )
     parser.add_argument(
         "--examples", type=int, default=3, metavar="N",
@@ -105,6 +111,14 @@ def _bad_flag(args: argparse.Namespace) -> str | None:
                 f"(default {DEFAULT_TOLERANCE_SECONDS:g})")
     if args.examples < 1:
         return f"--examples must be a whole number >= 1, not {args.examples}"
+    objectives, other = split_overrides(args.overrides)
+    if other:
+        return (f"--set {other[0]}: check changes only objectives (objectives.KEY=VALUE); "
+                "the run's other settings are what it ran with")
+    try:
+        Objectives().with_overrides(objectives)
+    except ObjectiveError as exc:
+        return f"--set: {exc}"
     return None
 
 
@@ -124,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
         # stderr carries one line or nothing.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            verdict = check_run(run_dirs, tolerance_seconds=args.tolerance)
+            verdict = check_run(run_dirs, tolerance_seconds=args.tolerance,
+                                objectives=split_overrides(args.overrides)[0])
     except HistoryError as exc:
         return _fail(str(exc), EXIT_BAD_INPUT)
     except KeyboardInterrupt:

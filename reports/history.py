@@ -204,7 +204,7 @@ class Delivery:
 WorkerEventKind = Literal[
     "start",  # worker process started (fields: pid; replaces: the dead worker it replaces)
     "stop",  # worker process leaving cleanly (fields: reason)
-    "claim",  # got a lease (job_id, attempt, lease_token, locked_until)
+    "claim",  # got a lease (job_id, attempt, lease_token, locked_until; started: claim sent)
     "http",  # an HTTP call ended (job_id, attempt, start, end, result, status, error)
     "write",  # a result write (job_id, attempt, outcome, result: applied|fenced|info, error)
     "renew",  # a lease renewed or lost (job_id, attempt, locked_until or lost=True)

@@ -104,9 +104,14 @@ class RunBuilder:
         drained: bool = True,
         exit_reason: str = "completed",
         guarantees: Mapping[str, Any] | None = None,
+        objectives: Mapping[str, Any] | None = None,
+        load_window: tuple[float, float] | None = None,
     ) -> None:
         # What the queue declared (spec.json `guarantees`); None: not recorded.
         self.guarantees = dict(guarantees) if guarantees is not None else None
+        # The scenario's `[objectives]` and its load phase (spec.json); None: not recorded.
+        self.objectives = dict(objectives) if objectives is not None else None
+        self.load_window = load_window
         self.run_info: dict[str, Any] = {
             "started": 0.0,  # the load starts at 0: times in sentences read as written
             "finished": 2000.0,
@@ -201,6 +206,7 @@ class RunBuilder:
         write: str | None = "applied",
         answered: bool = True,
         pick: str = "",
+        sent: float | None = None,
     ) -> float:
         """One attempt as a correct dispatcher records it, through the dispatcher's own
         event builders: claim, delivery at the target, HTTP event (a status judged as the
@@ -208,7 +214,8 @@ class RunBuilder:
         (`write`: applied, fenced, info, or None for none). `result` overrides what the
         worker made of the call, for a worker that gets it wrong ("ok": it took the answer
         whenever it came). `pick` tells apart two picks the queue gave one attempt number
-        (their lease tokens differ). Returns the time the write was logged."""
+        (their lease tokens differ). `sent`: when the claim was sent (a slow claim's, before
+        `claimed`). Returns the time the write was logged."""
         lease_seconds = float(self.run_info["lease_seconds"])
         timeout = float(self.run_info["http_timeout_seconds"])
         lease = Lease(
@@ -219,7 +226,7 @@ class RunBuilder:
             locked_until=datetime.fromtimestamp(claimed + lease_seconds, UTC),
             worker_id=worker,
         )
-        self._event(worker, claimed, job_id, "claim", claim_event(lease))
+        self._event(worker, claimed, job_id, "claim", claim_event(lease, started=sent))
         received = claimed + 0.001
         got = received + latency if answered else None
         self.deliver(job_id, attempt=attempt, received=received, answered=got, status=status,
@@ -258,10 +265,10 @@ class RunBuilder:
 
     def fault(self, fault: str, start: float, end: float | None, *, target: str | None = None,
               job_id: str | None = None, attempt: int | None = None,
-              skipped: str | None = None) -> None:
+              skipped: str | None = None, data: Mapping[str, Any] | None = None) -> None:
         self.faults.append(json.dumps({
             "fault": fault, "start": start, "end": end, "target": target, "job_id": job_id,
-            "attempt": attempt, "skipped": skipped, "data": {},
+            "attempt": attempt, "skipped": skipped, "data": dict(data or {}),
         }, separators=(",", ":")) + "\n")
 
     def final(self, job_id: str, status: str, *, attempts: int = 1, max_attempts: int = 3,
@@ -280,6 +287,12 @@ class RunBuilder:
         spec: dict[str, Any] = {"scenario": "synthetic", "seed": 0}
         if self.guarantees is not None:
             spec["guarantees"] = self.guarantees
+        if self.objectives is not None:
+            spec["scenario"] = {"name": "synthetic", "objectives": self.objectives}
+        if self.load_window is not None:
+            start, end = self.load_window
+            spec["phases"] = [{"name": "warmup", "start": start, "end": start},
+                              {"name": "load", "start": start, "end": end}]
         write_json(run_dir / SPEC_FILE, spec)
         write_json(run_dir / RUN_FILE, self.run_info)
         write_log(run_dir / ENQUEUES_FILE, ENQUEUE_LOG, self.enqueues)

@@ -29,6 +29,7 @@ from typing import Any
 
 from skiplock.chaos.nemesis import NemesisError, NemesisSpec, check_schedule, spec_from_mapping
 from skiplock.reports.history import Behaviour, JobScript, Step
+from skiplock.reports.objectives import ObjectiveError, Objectives, split_overrides
 
 SPECS_DIR = Path(__file__).parent / "specs"
 
@@ -110,6 +111,9 @@ class ScenarioSpec:
     # The fault schedule: `[[nemesis]]` entries (skiplock.chaos.nemesis.NemesisSpec), seeded by the
     # run's seed, applied during the load phase and healed before the drain.
     nemesis: tuple[NemesisSpec, ...] = ()
+    # Latency, throughput and fairness objectives the checker judges (`[objectives]`,
+    # skiplock.reports.objectives).
+    objectives: Objectives = field(default_factory=Objectives)
     # Seconds between healing the last fault and the drain, with the load stopped, so that
     # recovery (leases expiring, workers replaced) happens before the drain is timed.
     quiesce: float = 0.0
@@ -137,6 +141,7 @@ class ScenarioSpec:
         self._check_account_mix()
         self._check_failpoints()
         self._check_nemesis()
+        self._check_objectives()
         if sum(self.mix.values()) <= 0:
             raise SpecError("mix weights sum to 0: give at least one script a positive weight")
         return self
@@ -269,6 +274,11 @@ class ScenarioSpec:
 
     # ---------------------------------------------------------------------------------------
 
+    def _check_objectives(self) -> None:
+        for account in self.objectives.accounts:
+            if account not in self.accounts:
+                raise SpecError(f"objectives.account.{account}: no such account in [accounts]")
+
     def account_limits(self) -> dict[str, int | None]:
         return {account: limit for account, limit in self.accounts.items()}
 
@@ -318,6 +328,7 @@ class ScenarioSpec:
         out["failpoints"] = dict(self.failpoints)
         out["account_mix"] = dict(self.account_mix)
         out["nemesis"] = [entry.to_json() for entry in self.nemesis]
+        out["objectives"] = self.objectives.to_json()
         return out
 
 
@@ -356,13 +367,14 @@ class Chooser:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ScenarioSpec)}
 _TABLES = ("accounts", "mix", "failpoints", "account_mix")
-SCALAR_KEYS: tuple[str, ...] = tuple(k for k in _FIELDS if k not in (*_TABLES, "nemesis"))
+SCALAR_KEYS: tuple[str, ...] = tuple(k for k in _FIELDS
+                                     if k not in (*_TABLES, "nemesis", "objectives"))
 UNLIMITED = "unlimited"
 
 
 def _valid_keys() -> str:
     return ", ".join([*SCALAR_KEYS, "accounts.<id>", "account_mix.<id>", "mix.<script>",
-                      "failpoints.<name>", "[[nemesis]]"])
+                      "failpoints.<name>", "[[nemesis]]", "objectives.<key>"])
 
 
 def available() -> list[str]:
@@ -493,6 +505,11 @@ def from_mapping(raw: Mapping[str, Any], *, default_name: str = "custom") -> Sce
                            for k, v in value.items()}
         elif key == "nemesis":
             values[key] = _nemesis_entries(value)
+        elif key == "objectives":
+            try:
+                values[key] = Objectives.from_mapping(value)
+            except ObjectiveError as exc:
+                raise SpecError(str(exc)) from None
         elif key in _FIELDS:
             values[key] = _coerce(key, value, _FIELDS[key].type, strict=True)
         else:
@@ -532,6 +549,12 @@ def apply_overrides(spec: ScenarioSpec, overrides: Sequence[str]) -> ScenarioSpe
     """Apply `key=value` strings (`mix.slow=2`, `accounts.acme=4`, `workers=3`)."""
     changes: dict[str, Any] = {}
     tables = {t: dict(getattr(spec, t)) for t in _TABLES}
+    objective_overrides, overrides = split_overrides(overrides)
+    if objective_overrides:
+        try:
+            changes["objectives"] = spec.objectives.with_overrides(objective_overrides)
+        except ObjectiveError as exc:
+            raise SpecError(str(exc)) from None
     for item in overrides:
         key, sep, value = item.partition("=")
         key = key.strip()
@@ -630,6 +653,12 @@ def _set_differences(spec: ScenarioSpec, base: ScenarioSpec, words: list[str]) -
                 words += ["--set", f"{table}.{sub}={shown}"]
         if set(theirs) - set(ours):
             return f"  # and without {table} {sorted(set(theirs) - set(ours))}"
+    theirs_objectives = base.objectives.flat()
+    for sub, bound in spec.objectives.flat().items():
+        if theirs_objectives.get(sub) != bound:
+            words += ["--set", f"objectives.{sub}={bound:g}"]
+    if set(theirs_objectives) - set(spec.objectives.flat()):
+        return "  # with the objectives recorded in spec.json"
     if spec.nemesis != base.nemesis:
         return "  # with the fault schedule recorded in spec.json (nemesis)"
     return ""

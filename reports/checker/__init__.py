@@ -37,6 +37,7 @@ the queue reported.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -141,15 +142,20 @@ def _unjudged_kinds(history: History, enqueued_jobs: int,
 
 
 def check_run(run_dirs: Sequence[Path], *,
-              tolerance_seconds: float = DEFAULT_TOLERANCE_SECONDS) -> Verdict:
+              tolerance_seconds: float = DEFAULT_TOLERANCE_SECONDS,
+              objectives: Sequence[tuple[str, str]] = ()) -> Verdict:
     """Judge the run recorded in `run_dirs` (the first holds the run; the others add
-    delivery, worker and fault logs). Raises HistoryError when the history cannot be read,
-    ValueError for a tolerance that is negative or not finite (it would excuse or invent
-    anomalies)."""
+    delivery, worker and fault logs). `objectives`: `(KEY, VALUE)` pairs that change the
+    run's objectives (`skiplock.reports.objectives`). Raises HistoryError when the history
+    cannot be read, ValueError for a tolerance that is negative or not finite (it would
+    excuse or invent anomalies) or an objective that cannot be judged."""
     if not (math.isfinite(tolerance_seconds) and tolerance_seconds >= 0):
         raise ValueError(f"tolerance_seconds must be finite and >= 0, not {tolerance_seconds}")
     started, cpu_started = time.perf_counter(), time.process_time()
     history = read_history(run_dirs)
+    if objectives:
+        history = dataclasses.replace(history, config=dataclasses.replace(
+            history.config, objectives=history.config.objectives.with_overrides(objectives)))
     loaded, cpu_loaded = time.perf_counter(), time.process_time()
     found = judge(history, tolerance_seconds)
     unknown, details = found.unknown, found.details
@@ -184,6 +190,10 @@ def check_run(run_dirs: Sequence[Path], *,
     else:
         valid = True
     details["worker_files"] = history.worker_files
+    if history.config.objectives:
+        details["objectives"] = history.config.objectives.to_json()
+        if objectives:
+            details["objectives_changed_by_check"] = [f"{k}={v}" for k, v in objectives]
     if history.repicks:
         # Claims of a job under the number of an earlier pick, told apart by lease token.
         details["repicks_keyed_by_lease"] = history.repicks

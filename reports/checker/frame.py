@@ -24,6 +24,7 @@ from skiplock.reports.checker.common import floats, records
 from skiplock.reports.checker.explain import http_ends
 from skiplock.reports.checker.load import History, RunConfig
 from skiplock.reports.checker.slots import Slots, account_slots
+from skiplock.reports.checker.waits import Waits, waits
 from skiplock.reports.history import HistoryError
 from skiplock.reports.oracle import Expected, OracleCache, script_from_payload
 
@@ -247,6 +248,12 @@ class Frame:
         """Account slots over time (computed once: the limit check and the verdict's
         details both read them)."""
         return account_slots(self)
+
+    @cached_property
+    def waits(self) -> Waits:
+        """Each job's wait for its first claim and delivery (starvation and the objectives
+        read them)."""
+        return waits(self)
 
 
 def build(h: History, tolerance: float) -> Frame:

@@ -16,7 +16,7 @@ import os
 import stat
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast, get_args
 
@@ -55,6 +55,7 @@ from skiplock.reports.history import (
     read_json,
     unescape_text,
 )
+from skiplock.reports.objectives import ObjectiveError, Objectives
 
 # The oracle walks a job's attempts one by one: a larger max_attempts is no run's, and would
 # hold the checker for hours.
@@ -107,7 +108,7 @@ _STEP = pa.struct([("behaviour", pa.string()), ("status", pa.float64()),
                    ("seconds", pa.float64())])
 _SCRIPT = pa.struct([("name", pa.string()), ("first", _STEP), ("times", pa.float64()),
                      ("then", _STEP)])
-_ENQUEUE_BASE = ("type", "job_id", "account", "max_attempts")
+_ENQUEUE_BASE = ("type", "job_id", "account", "max_attempts", "time", "run_at")
 
 
 def _nest_script(batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -163,6 +164,8 @@ _FAULT_SCHEMA = pa.schema([
     ("fault", pa.string()), ("start", pa.float64()), ("end", pa.float64()),
     ("target", pa.string()), ("job_id", pa.string()), ("attempt", pa.float64()),
     ("skipped", pa.string()),
+    # Where a pause froze its worker ("claim": inside its claim, holding its account locks).
+    ("data", pa.struct([("phase", pa.string())])),
 ])
 _FAULTS = _Source(schema=_FAULT_SCHEMA, shape=_FAULT_SCHEMA)
 
@@ -664,6 +667,10 @@ class RunConfig:
     # When the load started (epoch seconds): the warm-up's start in spec.json, else run.json
     # `started`; the origin of every time the verdict says. None when neither is recorded.
     time_origin: float | None = None
+    # The scenario's objectives (spec.json `scenario.objectives`, or `check --set`).
+    objectives: Objectives = field(default_factory=Objectives)
+    # The load phase (warm-up start to load end, epoch seconds); None when not recorded.
+    load_window: tuple[float, float] | None = None
 
 
 def _durability(raw: dict[str, Any], spec: dict[str, Any], path: Path) -> bool | None:
@@ -750,7 +757,30 @@ def _run_config(path: Path, spec: dict[str, Any] | None = None) -> RunConfig:
         backend=raw["backend"] if isinstance(raw.get("backend"), str) else "",
         guarantees=_guarantees(spec or {}, path),
         time_origin=_time_origin(raw, spec or {}),
+        objectives=_objectives(spec or {}, path),
+        load_window=_load_window(spec or {}),
     )
+
+
+def _objectives(spec: dict[str, Any], path: Path) -> Objectives:
+    """spec.json's `scenario.objectives`; a malformed one is bad input."""
+    scenario = spec.get("scenario")
+    raw = scenario.get("objectives") if isinstance(scenario, dict) else None
+    try:
+        return Objectives.from_mapping(raw, "scenario.objectives")
+    except ObjectiveError as exc:
+        raise HistoryError(f"{path.with_name(SPEC_FILE)}: {exc}") from None
+
+
+def _load_window(spec: dict[str, Any]) -> tuple[float, float] | None:
+    """From the warm-up's start to the load phase's end, as spec.json's phases say."""
+    phases = spec.get("phases")
+    spans = {p.get("name"): p for p in phases if isinstance(p, dict)} if isinstance(
+        phases, list) else {}
+    first, last = spans.get("warmup") or spans.get("load"), spans.get("load")
+    if first and last and _finite(first.get("start")) and _finite(last.get("end")):
+        return float(first["start"]), float(last["end"])
+    return None
 
 
 def _time_origin(raw: dict[str, Any], spec: dict[str, Any]) -> float | None:
@@ -859,6 +889,7 @@ class History:
     job_script: np.ndarray  # int: index into `scripts`
     scripts: list[tuple[Any, dict[str, Any] | None]]
     job_ack: np.ndarray  # int8: 1 ok, 0 unknown (info / no answer), -1 fail
+    job_due: np.ndarray  # float: acknowledged (or its run_at, if later); NaN if never acked
     deliveries: pd.DataFrame
     events: pd.DataFrame  # row i's `data` is event_data's row i
     event_data: Nested
@@ -923,6 +954,7 @@ def read_history(run_dirs: Sequence[Path]) -> History:
         job_script=jobs.script_codes,
         scripts=jobs.scripts,
         job_ack=jobs.ack,
+        job_due=jobs.due,
         deliveries=deliveries,
         events=events,
         event_data=ev.nested["data"],
@@ -1042,6 +1074,7 @@ class _Jobs:
     scripts: list[tuple[Any, dict[str, Any] | None]]
     ack: np.ndarray  # int8: 1 ok, 0 unknown (info / no answer), -1 fail
     codes: dict[int, np.ndarray]  # id(table) -> its rows' job codes
+    due: np.ndarray  # float: when the job could first be claimed (see _due)
 
     @classmethod
     def read(cls, enq: _Table, tables: Sequence[_Table]) -> _Jobs:
@@ -1073,14 +1106,16 @@ class _Jobs:
                            .to_numpy(zero_copy_only=False), dtype=object)
         max_attempts = _max_attempts(enq, invoke_rows)
         script_codes, scripts = _scripts(enq, invoke_rows)
+        ack = _acks(enq, types, job_of_id[enq_ids], len(job_ids))
         return cls(
             job_ids=job_ids,
             account=enq.columns["account"][invoke_rows],
             max_attempts=max_attempts,
             script_codes=np.asarray(script_codes, dtype=np.int64),
             scripts=scripts,
-            ack=_acks(enq, types, job_of_id[enq_ids], len(job_ids)),
+            ack=ack,
             codes={id(t): job_of_id[i] for t, i in zip(tables, ids, strict=True)},
+            due=_due(enq, types, job_of_id[enq_ids], invoke_rows, len(job_ids)),
         )
 
     def of(self, table: _Table) -> np.ndarray:
@@ -1135,6 +1170,19 @@ def _acks(enq: _Table, types: pd.Series, enq_jobs: np.ndarray, n_jobs: int) -> n
     job_ack[answer_codes[answer_types == "info"]] = 0
     job_ack[answer_codes[answer_types == "ok"]] = 1
     return job_ack
+
+
+def _due(enq: _Table, types: pd.Series, enq_jobs: np.ndarray, invoke_rows: np.ndarray,
+         n_jobs: int) -> np.ndarray:
+    """When each job was due: its acknowledgement (the enqueue had committed by then), or
+    its `run_at` if later; NaN for a job never acknowledged."""
+    times = enq.number("time", "enqueue", required=False, time=True)
+    acked_at = np.full(n_jobs, np.nan)
+    ok_rows = np.flatnonzero((types == "ok").to_numpy())
+    # The first acknowledgement of each job (a repeated `ok` changes nothing).
+    acked_at[enq_jobs[ok_rows][::-1]] = times[ok_rows][::-1]
+    run_at = enq.number("run_at", "enqueue", required=False, time=True)[invoke_rows]
+    return np.where(np.isnan(run_at), acked_at, np.fmax(acked_at, run_at))
 
 
 def _deliveries(dl: _Table, jobs: _Jobs) -> pd.DataFrame:
@@ -1201,6 +1249,7 @@ def _faults(nem: _Table) -> list[dict[str, Any]]:
     starts = nem.number("start", "fault", required=True, time=True)
     ends = nem.number("end", "fault", required=False, time=True)
     attempts = nem.number("attempt", "fault", required=False)
+    phases = nem.nested["data"].field("phase", np.arange(len(starts))).tolist()
     for row, kind in enumerate(nem.columns["fault"]):
         if not isinstance(kind, str) or kind not in KNOWN_FAULTS:
             raise HistoryError(f"{nem.where(row)}: unknown fault kind {kind!r}")
@@ -1212,6 +1261,7 @@ def _faults(nem: _Table) -> list[dict[str, Any]]:
             "job_id": nem.job_id[row].as_py(),
             "attempt": None if math.isnan(attempts[row]) else int(attempts[row]),
             "skipped": nem.columns["skipped"][row],
+            "phase": phases[row] if isinstance(phases[row], str) else None,
         })
     return faults
 

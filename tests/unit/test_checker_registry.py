@@ -34,7 +34,7 @@ def test_the_table_is_where_counts_violations_and_meanings_come_from() -> None:
     assert COUNT_KEYS[4:] == tuple(a.kind for a in ANOMALIES)
     assert tuple(a.kind for a in ANOMALIES if a.violation) == VIOLATION_KEYS
     assert {a.kind: a.meaning for a in ANOMALIES} == MEANINGS
-    assert {a.unit for a in ANOMALIES} <= {"jobs", "deliveries", "writes"}
+    assert {a.unit for a in ANOMALIES} <= {"jobs", "deliveries", "writes", "objectives"}
 
 
 def early_retry_history(tmp_path: Path) -> Path:

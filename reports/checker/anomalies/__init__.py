@@ -25,7 +25,9 @@ from skiplock.reports.checker.anomalies import (
     early_retry,
     limit_exceeded,
     lost,
+    objective_missed,
     stale_write,
+    starvation,
     state_mismatch,
     stuck,
     unexpected,
@@ -41,7 +43,7 @@ from skiplock.reports.history import (
     WORKERS_DIR,
 )
 
-Unit = Literal["jobs", "deliveries", "writes"]
+Unit = Literal["jobs", "deliveries", "writes", "objectives"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,11 @@ class Anomaly:
 def _needs_limits(promised: Guarantees) -> str | None:
     return None if promised.account_limits else (
         "the queue declares no per-account concurrency limits")
+
+
+def _needs_fairness(promised: Guarantees) -> str | None:
+    return None if promised.fairness else (
+        "the queue declares no fairness: it may serve jobs out of the order they became due")
 
 
 def _needs_fencing(promised: Guarantees) -> str | None:
@@ -117,5 +124,13 @@ ANOMALIES: tuple[Anomaly, ...] = (
     Anomaly("stale_write", "writes",
             "a result applied after another worker claimed a later attempt",
             stale_write, not_applicable=_needs_fencing),
+    Anomaly("starvation", "jobs",
+            "a due job left waiting past the bound while later jobs of other accounts were "
+            "claimed, its own account having a free slot",
+            starvation, held_back_by=_ALL_LOGS, not_applicable=_needs_fairness),
+    Anomaly("objective_missed", "objectives",
+            "a latency or throughput objective of the scenario missed (faults' windows "
+            "judged apart)",
+            objective_missed, held_back_by=_ALL_LOGS),
 )
 BY_KIND = {a.kind: a for a in ANOMALIES}
