@@ -22,6 +22,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from skiplock.reports.objectives import ObjectiveError, Objectives
 from skiplock.reports.report_data import (
     RunData,
     attempts_table,
@@ -162,6 +163,8 @@ def latency_figure(runs: Sequence[RunData], width: float) -> bytes:
         if not drawn:
             _empty(ax, f"{name}:\nnot recorded")
             continue
+        if name == "enqueue → first delivery" and len(runs) == 1:
+            _objective_lines(ax, runs[0])
         _decorate(ax, runs, first=column == 0)
         ax.set_yscale("log")
         ax.set_title(name, fontsize=10)
@@ -174,6 +177,39 @@ def latency_figure(runs: Sequence[RunData], width: float) -> bytes:
                     fontsize=11)
     figure.subplots_adjust(left=0.085, right=0.99, bottom=0.15, top=0.82, wspace=0.22)
     return png(figure, tight=False)
+
+
+# How each latency objective is drawn on the first-delivery panel (its bound, a level line).
+_OBJECTIVE_STYLES = {"first_delivery_p50": ("#4c72b0", "p50"),
+                     "first_delivery_p99": ("#c44e52", "p99"),
+                     "oldest_due_age": ("#222222", "oldest")}
+
+
+def _objective_lines(ax: Any, run: RunData) -> None:
+    """The run's latency objectives as level lines, labelled at the right edge: solid where
+    it bounds every account, dotted for accounts alone, dashed for faults' windows; one line
+    and one label per bound, naming every scope that has it."""
+    judged = (run.verdict or {}).get("details", {}).get("objectives")
+    try:
+        objectives = Objectives.from_mapping(
+            judged if judged is not None else run.scenario.get("objectives"))
+    except ObjectiveError:
+        return
+    scopes: dict[tuple[str, float, bool], list[str]] = {}
+    for bounds, scope, faults in ((objectives.overall, "all", False),
+                                  (objectives.during_faults, "in faults", True),
+                                  *((b, a, False) for a, b in objectives.accounts.items())):
+        for key, bound in bounds.items():
+            if key in _OBJECTIVE_STYLES:
+                scopes.setdefault((key, bound, faults), []).append(scope)
+    for (key, bound, faults), names in scopes.items():
+        colour, short = _OBJECTIVE_STYLES[key]
+        style = "--" if faults else "-" if "all" in names else ":"
+        ax.axhline(bound, color=colour, linestyle=style, linewidth=0.9, alpha=0.8)
+        ax.annotate(f"{short} bound: {', '.join(names)}", (1.0, bound),
+                    xycoords=("axes fraction", "data"), xytext=(-2, 2),
+                    textcoords="offset points", ha="right", va="bottom", fontsize=6.5,
+                    color=colour)
 
 
 def load_figure(run: RunData, width: float, end: float) -> bytes:

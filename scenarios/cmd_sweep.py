@@ -48,6 +48,7 @@ from skiplock.reports.history import (
     WORKERS_DIR,
     read_json,
 )
+from skiplock.reports.objectives import Objectives
 from skiplock.reports.selfdescribe import describe
 from skiplock.scenarios.cpu import cpu_by_process, machine_cpu
 from skiplock.scenarios.spec import SpecError
@@ -177,9 +178,12 @@ class _Stepper:
     def _run(self, rate: float) -> dict[str, Any]:
         from skiplock.scenarios.runner import RunOptions, run_scenario
 
+        # A sweep looks for where the queue stops keeping up: its own objective (`--p99`)
+        # judges each step, not the scenario's, which the steps past the knee would miss.
         spec = dataclasses.replace(self.base, rate=rate, duration=self.args.step,
                                    producers=self.producers,
-                                   enqueue_batch=self.enqueue_batch).validate()
+                                   enqueue_batch=self.enqueue_batch,
+                                   objectives=Objectives()).validate()
         _say(f"step {rate:g} jobs/s (producers {spec.producers}, enqueue_batch "
              f"{spec.enqueue_batch}) ...")
         options = RunOptions(seed=self.args.seed, out=self.folder / "runs", server=self.server,

@@ -44,7 +44,7 @@ def test_steady_on_pgqueuer(pg_dsn: str, tmp_path: Path) -> None:
     # not promised.
     assert set(verdict["details"]["not_applicable"]) == {"stale_write"}
     spec = json.loads((run_dir / "spec.json").read_text())
-    assert spec["guarantees"] == {"account_limits": True, "fencing": False,
+    assert spec["guarantees"] == {"account_limits": True, "fencing": False, "fairness": True,
                                   "attempts_count": "finished", "retry_cap": True,
                                   "claim_transaction": False, "recovery_switch": False}
 
