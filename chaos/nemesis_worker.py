@@ -148,9 +148,12 @@ _AIMING_LOCK = threading.Lock()
 
 def _aiming(ctx: NemesisContext) -> _Aiming:
     with _AIMING_LOCK:
-        found = _AIMING.get(ctx)
-        if found is None:
-            found = _AIMING[ctx] = _Aiming(ctx)
+        try:
+            found = _AIMING.get(ctx)
+            if found is None:
+                found = _AIMING[ctx] = _Aiming(ctx)
+        except TypeError:  # a context that cannot be weakly keyed: nothing shared
+            found = _Aiming(ctx)
         return found
 
 
