@@ -54,6 +54,13 @@ ExternalPolicy = Literal["refuse", "skip"]
 PausePhase = Literal["lease", "claim", "commit"]
 # The kinds each phase but the default applies to.
 _PHASE_KINDS = {"claim": "pause_worker", "commit": "terminate_backends"}
+# Which lease holder kill_worker picks: any worker holding a lease ("any", the default), or
+# one holding the last allowed attempt of a job whose script fails every attempt
+# ("last_attempt"), so that recovery meets an exhausted job in every run, not by luck.
+Aim = Literal["any", "last_attempt"]
+AIMS: tuple[str, ...] = Aim.__args__  # type: ignore[attr-defined]
+# The kinds each aim but the default applies to.
+_AIM_KINDS = {"last_attempt": "kill_worker"}
 
 
 class NemesisError(ValueError):
@@ -91,6 +98,7 @@ class NemesisSpec:
     probability: float = 1.0
     external: ExternalPolicy = "refuse"
     phase: PausePhase = "lease"
+    aim: Aim = "any"
 
     def validate(self) -> NemesisSpec:
         if self.kind not in NEMESIS_KINDS:
@@ -124,6 +132,12 @@ class NemesisSpec:
         if self.phase != "lease" and self.kind != _PHASE_KINDS[self.phase]:
             raise NemesisError(f"nemesis {self.kind}: phase {self.phase!r} applies to "
                                f"{_PHASE_KINDS[self.phase]} only")
+        if self.aim not in AIMS:
+            raise NemesisError(f"nemesis {self.kind}: aim must be one of "
+                               f"{', '.join(repr(a) for a in AIMS)} (got {self.aim!r})")
+        if self.aim != "any" and self.kind != _AIM_KINDS[self.aim]:
+            raise NemesisError(f"nemesis {self.kind}: aim {self.aim!r} applies to "
+                               f"{_AIM_KINDS[self.aim]} only")
         return self
 
     def to_json(self) -> dict[str, Any]:
@@ -149,7 +163,7 @@ def spec_from_mapping(raw: Mapping[str, Any], where: str = "nemesis") -> Nemesis
 
 
 def _coerce(where: str, key: str, value: Any) -> Any:
-    if key in ("kind", "external", "phase"):
+    if key in ("kind", "external", "phase", "aim"):
         if not isinstance(value, str):
             raise NemesisError(f"{where}.{key} must be a string (got {value!r})")
         return value
@@ -210,6 +224,7 @@ class PlannedFault:
     external: ExternalPolicy
     seed: int
     phase: PausePhase = "lease"
+    aim: Aim = "any"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -235,7 +250,7 @@ def plan(specs: Sequence[NemesisSpec], *, seed: int, load_seconds: float,
                 planned.append(PlannedFault(
                     kind=spec.kind, at=round(at, 3), duration=duration, count=spec.count,
                     probability=spec.probability, external=spec.external, seed=fault_seed,
-                    phase=spec.phase,
+                    phase=spec.phase, aim=spec.aim,
                 ))
             if spec.interval <= 0:
                 break
@@ -335,6 +350,10 @@ class NemesisContext(Protocol):
     def workers_holding_leases(self) -> list[str]:
         """Worker ids that hold a lease now (claimed, not yet written or released), by their
         event logs; running processes only."""
+
+    def leases_held(self) -> Mapping[str, Mapping[tuple[str, int], float]]:
+        """The same, with what each holds: worker id -> its open attempts (job id, attempt),
+        each with when its claim was logged (this machine's clock)."""
 
     def signal_worker(self, worker_id: str, signum: int) -> None:
         """Send `signum` to that worker's process (no-op if it has exited)."""

@@ -3,19 +3,37 @@
 A worker is chosen among those that hold a lease at that moment (by their event logs), so
 a kill or a pause always lands mid-lease, where it can cost a job; a firing that finds no
 worker holding a lease is recorded as skipped rather than spent on an idle process.
+
+A kill with `aim = "last_attempt"` waits instead for a worker that holds the last allowed
+attempt of a job whose script fails every attempt (by the claims in the workers' logs and
+the oracles in enqueues.csv): the expired lease of such an attempt must be dead-lettered by
+recovery, never retried, and the kill makes sure recovery meets one in every run.
 """
 
 from __future__ import annotations
 
 import signal
+import threading
 import time
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
-from skiplock.chaos.nemesis import Fault, FaultSkipped, register
+from skiplock.chaos.nemesis import Fault, FaultSkipped, NemesisContext, register
 from skiplock.queue_impl.dispatcher import (
     PAUSE_IN_CLAIM,
     PAUSE_IN_CLAIM_FIRING,
     PAUSE_IN_CLAIM_SECONDS,
 )
+from skiplock.reports.history import (
+    ENQUEUE_LOG,
+    ENQUEUES_FILE,
+    HistoryError,
+    parse_header,
+    parse_row,
+)
+from skiplock.reports.oracle import Expected, build_oracle, script_from_payload
 
 # How long a firing waits for some worker to hold a lease (under light load a worker holds
 # its leases for milliseconds at a time), and how often it looks.
@@ -23,6 +41,15 @@ HOLDER_WAIT_SECONDS = 2.0
 HOLDER_POLL_SECONDS = 0.003
 # How long a claim-phase pause waits for some worker to claim.
 CLAIM_STALL_WAIT_SECONDS = 5.0
+# How long an aimed kill waits for some worker to hold the last attempt of a failing job:
+# such an attempt comes round only after the job's retry waits, and under light load its
+# lease is held only while its call runs.
+AIM_WAIT_SECONDS = 3.0
+# How long a last attempt must have been held before an aimed kill takes it: by then its
+# worker has confirmed receiving it (one statement after the claim is logged; a kill before
+# that gives the attempt back) and its call is under way. A failure answered at once is
+# written before this, so the kill finds the attempts held for a whole call (a hang).
+AIM_SETTLE_SECONDS = 0.2
 
 
 def _choose_holders(fault: Fault) -> list[str]:
@@ -34,14 +61,144 @@ def _choose_holders(fault: Fault) -> list[str]:
     return fault.rng.sample(holders, min(fault.planned.count, len(holders)))
 
 
+def last_attempts(held: Mapping[str, Mapping[tuple[str, int], float]],
+                  exhausting: Mapping[str, int], *, now: float,
+                  settle: float = 0.0) -> dict[str, list[tuple[str, int]]]:
+    """The workers that hold a last attempt in flight, each with those it holds: open
+    attempts (job id, attempt -> when claimed) of jobs in `exhausting` (job id ->
+    max_attempts: jobs whose every attempt fails) whose attempt is the job's max_attempts,
+    claimed at least `settle` seconds before `now`. A job not (yet) in `exhausting` is never
+    aimed at, nor an attempt past max_attempts (a broken queue's; it has nothing to show)."""
+    found: dict[str, list[tuple[str, int]]] = {}
+    for worker, leases in held.items():
+        aimed = sorted(key for key, claimed in leases.items()
+                       if key[0] in exhausting and key[1] == exhausting[key[0]]
+                       and now - claimed >= settle)
+        if aimed:
+            found[worker] = aimed
+    return found
+
+
+class ExhaustingJobs:
+    """The jobs of a run whose script fails every allowed attempt (their oracle: FAILED after
+    max_attempts deliveries), with their max_attempts, read from enqueues.csv as it grows:
+    only whole lines, each `invoke` once. A job that ends sooner (a 4xx, a success) is left
+    out: killing its last attempt would take away a delivery its oracle counts on."""
+
+    def __init__(self, run_dir: Path, http_timeout_seconds: float) -> None:
+        self.path = run_dir / ENQUEUES_FILE
+        self.http_timeout_seconds = http_timeout_seconds
+        self.jobs: dict[str, int] = {}
+        self._offset = 0
+        self._partial = b""
+        self._names: list[str] | None = None
+        self._line = 0
+        self._lock = threading.Lock()
+
+    def read(self) -> dict[str, int]:
+        """Every exhausting job enqueued so far (job id -> max_attempts)."""
+        with self._lock:
+            try:
+                with self.path.open("rb") as fh:
+                    fh.seek(self._offset)
+                    data = fh.read()
+            except FileNotFoundError:
+                return self.jobs
+            self._offset += len(data)
+            *whole, self._partial = (self._partial + data).split(b"\n")
+            for raw in whole:
+                self._line += 1
+                try:
+                    self._take(raw.decode())
+                except (HistoryError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+                    continue  # the checker names a malformed line; aiming only skips it
+            return self.jobs
+
+    def _take(self, line: str) -> None:
+        if self._names is None:
+            self._names = parse_header(self.path, line, ENQUEUE_LOG)
+            return
+        if not line.strip():
+            return
+        row = parse_row(self.path, self._line, line, self._names, ENQUEUE_LOG)
+        if row["type"] != "invoke" or row["max_attempts"] is None:
+            return
+        max_attempts = int(row["max_attempts"])
+        oracle = build_oracle(script_from_payload(row["script"]), max_attempts,
+                              self.http_timeout_seconds)
+        if oracle.expected is Expected.FAILED and oracle.deliveries == max_attempts:
+            self.jobs[str(row["job_id"])] = max_attempts
+
+
+class _Aiming:
+    """What aimed kills share over one run: its exhausting jobs, and the workers already
+    killed (a process stays visible for a moment after its SIGKILL; firings whose waits
+    overlap must not both spend themselves on it)."""
+
+    def __init__(self, ctx: NemesisContext) -> None:
+        self.jobs = ExhaustingJobs(ctx.run_dir, ctx.http_timeout_seconds)
+        self.killed: set[str] = set()
+        self.lock = threading.Lock()
+
+
+# One per run (a fault lives for one firing; the run's context outlives them all).
+_AIMING: weakref.WeakKeyDictionary[Any, _Aiming] = weakref.WeakKeyDictionary()
+_AIMING_LOCK = threading.Lock()
+
+
+def _aiming(ctx: NemesisContext) -> _Aiming:
+    with _AIMING_LOCK:
+        try:
+            found = _AIMING.get(ctx)
+            if found is None:
+                found = _AIMING[ctx] = _Aiming(ctx)
+        except TypeError:  # a context that cannot be weakly keyed: nothing shared
+            found = _Aiming(ctx)
+        return found
+
+
+def _kill_last_attempts(fault: Fault) -> list[str]:
+    """SIGKILL workers holding the last attempt of an exhausting job, waiting for one up to
+    AIM_WAIT_SECONDS. The event's window starts at the kill, not at the firing (the wait
+    touched nothing), and its data names what each worker was aimed at."""
+    state = _aiming(fault.ctx)
+    deadline = time.monotonic() + AIM_WAIT_SECONDS
+    while True:
+        with state.lock:
+            held = {worker: leases for worker, leases in fault.ctx.leases_held().items()
+                    if worker not in state.killed}
+            aimed = last_attempts(held, state.jobs.read(), now=time.time(),
+                                  settle=AIM_SETTLE_SECONDS)
+            if aimed:
+                chosen = fault.rng.sample(sorted(aimed), min(fault.planned.count, len(aimed)))
+                fault.started_at = time.time()
+                for worker in chosen:
+                    fault.ctx.signal_worker(worker, signal.SIGKILL)
+                state.killed.update(chosen)
+                fault.data["aimed"] = [
+                    {"worker": worker, "job_id": job, "attempt": attempt}
+                    for worker in sorted(chosen) for job, attempt in aimed[worker]]
+                return chosen
+        if time.monotonic() >= deadline:
+            raise FaultSkipped(f"no worker held the last attempt of a job that fails every "
+                               f"attempt within {AIM_WAIT_SECONDS:g} s")
+        time.sleep(HOLDER_POLL_SECONDS)
+
+
 @register
 class KillWorker(Fault):
     """SIGKILL workers that hold leases: their leases must expire and be recovered, and
-    a call they had sent may be delivered again (explained by this event)."""
+    a call they had sent may be delivered again (explained by this event).
+
+    With `aim = "last_attempt"`, only a worker holding the last allowed attempt of a job
+    that fails every attempt: recovery must dead-letter that job (FAILED), not retry it."""
 
     kind = "kill_worker"
 
     def apply(self) -> list[str | None]:
+        if self.planned.aim == "last_attempt":
+            self.data["aim"] = "last_attempt"
+            return list(_kill_last_attempts(self))
         chosen = _choose_holders(self)
         for worker in chosen:
             self.ctx.signal_worker(worker, signal.SIGKILL)

@@ -54,6 +54,7 @@ _SCRIPT_TEXT: dict[str, Callable[[ScenarioSpec], str]] = {
     "hang_then_late": lambda s: "a 200 past the HTTP timeout once",
     "hang_forever": lambda s: "no answer once",
     "reset": lambda s: "a connection reset once",
+    "always_hang": lambda s: "no answer until dead-lettered",
 }
 
 

@@ -205,6 +205,10 @@ class _FaultContext:
     def workers_holding_leases(self) -> list[str]:
         return list(self._ctx.pool.holding_leases())
 
+    def leases_held(self) -> dict[str, dict[tuple[str, int], float]]:
+        held: dict[str, dict[tuple[str, int], float]] = self._ctx.pool.leases_held()
+        return held
+
     def signal_worker(self, worker_id: str, signum: int) -> None:
         self._ctx.pool.send_signal(worker_id, signum)
 

@@ -48,6 +48,7 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "hang_then_late",
     "hang_forever",
     "reset",
+    "always_hang",
 )
 FAILPOINT_NAMES: tuple[str, ...] = ("crash_after_claim", "crash_after_http")
 
@@ -318,6 +319,11 @@ class ScenarioSpec:
                 name="hang_forever", first=Step(behaviour=Behaviour.HANG_FOREVER), times=1
             ),
             "reset": JobScript(name="reset", first=Step(behaviour=Behaviour.RESET), times=1),
+            # Every attempt held for the whole HTTP timeout, then dead-lettered: a last
+            # attempt a fault can find in flight (exhaust-attempts' aimed kill).
+            "always_hang": JobScript(
+                name="always_hang", first=Step(behaviour=Behaviour.HANG_FOREVER)
+            ),
         }
         return {name: built[name] for name in self.mix if self.mix[name] > 0}
 

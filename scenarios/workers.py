@@ -116,14 +116,20 @@ class _LeaseTracker:
     def __init__(self) -> None:
         self._offsets: dict[Path, int] = {}
         self._names: dict[Path, list[str]] = {}
-        self._open: dict[str, set[tuple[str, int]]] = {}
+        # worker -> its open attempts (job id, attempt), each with when its claim was logged
+        self._open: dict[str, dict[tuple[str, int], float]] = {}
         self._lock = threading.Lock()
 
     def holding(self, logs: Mapping[str, Path]) -> list[str]:
+        return list(self.held(logs))
+
+    def held(self, logs: Mapping[str, Path]) -> dict[str, dict[tuple[str, int], float]]:
+        """Each worker of `logs` that holds a lease, with its open attempts and their claim
+        times."""
         with self._lock:
             for worker_id, path in logs.items():
                 self._read(worker_id, path)
-            return [w for w in logs if self._open.get(w)]
+            return {w: dict(self._open[w]) for w in logs if self._open.get(w)}
 
     def _read(self, worker_id: str, path: Path) -> None:
         try:
@@ -140,7 +146,7 @@ class _LeaseTracker:
             return
         end = data.rfind(b"\n") + 1
         self._offsets[path] += end
-        held = self._open.setdefault(worker_id, set())
+        held = self._open.setdefault(worker_id, {})
         for number, line in enumerate(data[:end].decode().splitlines(), start=2):
             try:
                 row = parse_row(path, number, line, self._names[path], WORKER_LOG)
@@ -150,9 +156,9 @@ class _LeaseTracker:
                 continue
             key = (str(row["job_id"]), int(row["attempt"]))
             if row["kind"] == "claim":
-                held.add(key)
+                held[key] = float(row["time"])
             elif row["kind"] in ("write", "release"):
-                held.discard(key)
+                held.pop(key, None)
 
 
 def unique_prefix(name: str = "worker") -> str:
@@ -391,6 +397,12 @@ class WorkerPool:
         """Running workers that hold a lease now, by their event logs."""
         running = self.running()
         return self._leases.holding({w: self.events_path(w) for w in running})
+
+    def leases_held(self) -> dict[str, dict[tuple[str, int], float]]:
+        """Running workers that hold a lease now, each with its open attempts (job id,
+        attempt) and when each claim was logged."""
+        running = self.running()
+        return self._leases.held({w: self.events_path(w) for w in running})
 
     def send_signal(self, worker_id: str, sig: int) -> None:
         """Send `sig` to the process of `worker_id`, if it still runs."""

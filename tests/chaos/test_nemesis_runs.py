@@ -108,3 +108,37 @@ def test_a_worker_paused_inside_its_claim_transaction_sends_nothing_on_expired_l
     stalled = [e for e in worker_events(result.run_dir)
                if e["worker"] == pause["target"] and e["kind"] == "release"]
     assert stalled and all(e["reason"] == "lease too short to send" for e in stalled)
+
+
+def test_an_aimed_kill_takes_a_last_attempt_in_flight_and_recovery_dead_letters_it(
+        pg_dsn: str, tmp_path: Path) -> None:
+    """kill_worker with aim = "last_attempt", through the real pool, lease tracker and
+    enqueue log: every applied firing killed a worker in the middle of a job's last attempt
+    (claimed, never written), and the reference's recovery dead-lettered that job."""
+    path = tmp_path / "aimed.toml"
+    path.write_text(
+        'name = "aimed"\nduration = 5.0\nrate = 10.0\nworkers = 2\nlease = 3.0\n'
+        'http_timeout = 1.0\nwrite_margin = 1.0\nretry_base = 0.5\nretry_cap = 0.5\n'
+        'retry_jitter = 0.0\nmax_attempts = 2\ndrain_timeout = 60.0\n'
+        '[accounts]\nbulk = "unlimited"\n[mix]\nalways_hang = 1\nsucceed = 1\n'
+        '[[nemesis]]\nkind = "kill_worker"\naim = "last_attempt"\nat = 2.5\ninterval = 1.0\n')
+    result = run(pg_dsn, tmp_path, str(path), [])
+    assert result.info.drained, result.info.exit_reason
+    assert result.verdict.valid is True, result.verdict.examples
+    kills = [e for e in read_jsonl(result.run_dir / NEMESIS_FILE)
+             if e["fault"] == "kill_worker" and not e["skipped"]]
+    assert kills, "no aimed kill applied: the test exercised nothing"
+    events = worker_events(result.run_dir)
+    with (result.run_dir / "final_jobs.csv").open(newline="") as fh:
+        final = {row["job_id"]: row for row in csv.DictReader(fh)}
+    for kill in kills:
+        assert kill["data"]["aim"] == "last_attempt"
+        for aimed in kill["data"]["aimed"]:
+            assert aimed["worker"] == kill["target"] and aimed["attempt"] == 2
+            mine = [e for e in events if e["job_id"] == aimed["job_id"]
+                    and e["worker"] == aimed["worker"] and e["attempt"] == "2"]
+            assert [e["kind"] for e in mine] == ["claim"], mine  # killed mid-call
+            claimed = float(mine[0]["time"])
+            assert claimed + 0.2 <= kill["start"] <= claimed + 1.0 + 0.5
+            job = final[aimed["job_id"]]
+            assert (job["status"], job["attempts"]) == ("FAILED", "2"), job

@@ -1,14 +1,12 @@
 -- Mutant: recovery that ignores max_attempts.
 -- Bug: recovery always moves an expired lease back to RETRYING, due now, even when the
 -- expired attempt was the job's last one, so a job killed on its last attempt is claimed
--- and delivered once more than max_attempts allows. Seen only when the fault hits the last
--- attempt of a job that fails (always_fail), so it depends on where the faults land: it gets
--- six seeds, as `skiplock gate --seeds 6` (the test stops at the first that catches it).
--- Since the checker counts committed claims beyond max_attempts, stored mixed runs of seeds
--- 1-4 are all caught; on an embedded server seeds 1-3 were all missed once in CI.
+-- and delivered once more than max_attempts allows. It shows only when a fault hits the last
+-- attempt of a job that fails anyway, which mixed and kill-workers leave to luck (seeds were
+-- missed). exhaust-attempts aims a kill_worker there (`aim = "last_attempt"`: a worker in
+-- the middle of an always_hang job's third attempt), so every seed meets it.
 -- expect: attempts_exceeded
--- scenario: mixed
--- seeds: 6
+-- scenario: exhaust-attempts
 
 -- name: recover
 WITH

@@ -81,10 +81,26 @@ def test_failpoint_windows_always_fire_and_carry_their_probability() -> None:
     ({"kind": "terminate_backends", "phase": "claim"},
      "phase 'claim' applies to pause_worker only"),
     ({"kind": "terminate_backends", "phase": "later"}, "phase must be 'lease', 'claim' or"),
+    ({"kind": "kill_worker", "aim": "last"}, "aim must be one of 'any', 'last_attempt'"),
+    ({"kind": "kill_worker", "aim": 3}, "aim must be a string"),
+    ({"kind": "pause_worker", "aim": "last_attempt"},
+     "aim 'last_attempt' applies to kill_worker only"),
 ])
 def test_bad_entries_are_refused_in_one_line(raw: dict[str, Any], message: str) -> None:
     with pytest.raises(NemesisError, match=message):
         spec_from_mapping(raw)
+
+
+def test_an_aimed_kill_keeps_its_aim_in_the_schedule_and_the_schedule_is_unchanged() -> None:
+    aimed = spec_from_mapping({"kind": "kill_worker", "aim": "last_attempt", "at": 1,
+                               "interval": 2})
+    plain = spec_from_mapping({"kind": "kill_worker", "at": 1, "interval": 2})
+    assert {p.aim for p in planned([aimed], 3)} == {"last_attempt"}
+    assert {p.aim for p in planned([plain], 3)} == {"any"}
+    # The aim draws nothing from the seed: the same times and fault seeds either way.
+    strip = [(p.at, p.seed) for p in planned([plain], 3)]
+    assert [(p.at, p.seed) for p in planned([aimed], 3)] == strip
+    assert aimed.to_json()["aim"] == "last_attempt"
 
 
 def test_refusals_that_depend_on_the_run() -> None:
@@ -138,9 +154,11 @@ def test_every_shipped_scenario_loads_and_its_faults_fit_its_load() -> None:
 # --- the scheduler, on a fake context ---------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class FakeContext:
     holders: list[str] = field(default_factory=lambda: ["worker-1"])
+    # worker -> (job id, attempt) -> claimed at, for leases_held (holders when empty)
+    held: dict[str, dict[tuple[str, int], float]] = field(default_factory=dict)
     signals: list[tuple[str, int]] = field(default_factory=list)
     failpoints: list[tuple[str, float]] = field(default_factory=list)
     run_dir: Path = Path("/nonexistent")
@@ -162,6 +180,10 @@ class FakeContext:
 
     def workers_holding_leases(self) -> list[str]:
         return list(self.holders)
+
+    def leases_held(self) -> dict[str, dict[tuple[str, int], float]]:
+        # A killed worker's process lingers for a moment: it still shows here.
+        return {w: dict(leases) for w, leases in self.held.items()}
 
     def signal_worker(self, worker_id: str, signum: int) -> None:
         self.signals.append((worker_id, signum))
@@ -228,3 +250,134 @@ def test_nothing_fires_after_stop() -> None:
 
 def test_every_kind_has_a_fault_class() -> None:
     assert set(nemesis.registry()) == set(nemesis.NEMESIS_KINDS)
+
+
+# --- kill_worker aimed at last attempts -----------------------------------------------------
+
+
+def test_last_attempts_are_those_at_max_attempts_of_jobs_that_fail_every_attempt() -> None:
+    from skiplock.chaos.nemesis_worker import last_attempts
+
+    held = {
+        "w-1": {("hang", 3): 10.0, ("hang-early", 2): 10.0},  # a last attempt, and not
+        "w-2": {("fails-once", 3): 10.0},  # its oracle needs that delivery: never aimed at
+        "w-3": {("hang-2", 3): 10.9},  # claimed 0.1 s ago: maybe not received yet
+        "w-4": {("hang-3", 4): 10.0},  # past max_attempts: a broken queue's, not aimed at
+        "w-5": {("hang-4", 1): 10.0, ("hang-5", 1): 10.0},  # max_attempts 1
+    }
+    exhausting = {"hang": 3, "hang-early": 3, "hang-2": 3, "hang-3": 3, "hang-4": 1,
+                  "hang-5": 1}
+    assert last_attempts(held, exhausting, now=11.0, settle=0.2) == {
+        "w-1": [("hang", 3)], "w-5": [("hang-4", 1), ("hang-5", 1)]}
+    assert set(last_attempts(held, exhausting, now=11.0)) == {"w-1", "w-3", "w-5"}
+    assert last_attempts(held, {}, now=11.0) == {}
+
+
+def _enqueue_log(run_dir: Path, scripts: dict[str, Any], *, cut_last: bool = False) -> None:
+    from skiplock.reports.history import ENQUEUE_LOG, ENQUEUES_FILE, EnqueueOp, LogWriter
+
+    with LogWriter(run_dir / ENQUEUES_FILE, ENQUEUE_LOG) as writer:
+        for job, script in scripts.items():
+            writer.write(EnqueueOp(type="invoke", job_id=job, time=1.0, process="p",
+                                   account="a", script=script.to_json(), max_attempts=3))
+            writer.write(EnqueueOp(type="ok", job_id=job, time=1.1, process="p"))
+    if cut_last:
+        path = run_dir / ENQUEUES_FILE
+        path.write_bytes(path.read_bytes()[:-1])  # a line still being written
+
+
+def test_exhausting_jobs_come_from_the_oracles_as_the_enqueue_log_grows(tmp_path: Path) -> None:
+    from skiplock.chaos.nemesis_worker import ExhaustingJobs
+
+    scripts = spec_mod.load("faulty-targets").scripts()
+    jobs = ExhaustingJobs(tmp_path, http_timeout_seconds=1.0)
+    assert jobs.read() == {}  # no log yet
+    _enqueue_log(tmp_path, {name: script for name, script in scripts.items()})
+    # 503 forever and a hang on every attempt fail every attempt; a 400 ends at once, and
+    # every other script succeeds sooner or later.
+    assert jobs.read() == {"always_fail": 3, "always_hang": 3}
+    assert jobs.read() == {"always_fail": 3, "always_hang": 3}  # each line read once
+
+
+def test_a_half_written_enqueue_line_waits_for_its_rest(tmp_path: Path) -> None:
+    from skiplock.chaos.nemesis_worker import ExhaustingJobs
+
+    scripts = spec_mod.load("faulty-targets").scripts()
+    _enqueue_log(tmp_path, {"j-1": scripts["always_hang"]}, cut_last=True)
+    jobs = ExhaustingJobs(tmp_path, http_timeout_seconds=1.0)
+    assert jobs.read() == {"j-1": 3}  # the invoke is whole; the cut `ok` line waits
+    with (tmp_path / "enqueues.csv").open("ab") as fh:
+        fh.write(b"\n")
+    assert jobs.read() == {"j-1": 3}
+
+
+def aimed_kill(at: float = 0.0) -> PlannedFault:
+    return PlannedFault(kind="kill_worker", at=at, duration=0.0, count=1, probability=1.0,
+                        external="refuse", seed=1, aim="last_attempt")
+
+
+def test_an_aimed_kill_hits_only_a_worker_in_a_last_attempt_and_names_it(
+        tmp_path: Path) -> None:
+    import signal
+
+    scripts = spec_mod.load("faulty-targets").scripts()
+    _enqueue_log(tmp_path, {"hang": scripts["always_hang"], "ok": scripts["succeed"]})
+    long_ago = time.time() - 5.0
+    ctx = FakeContext(run_dir=tmp_path, holders=["w-1", "w-2", "w-3"], held={
+        "w-1": {("ok", 3): long_ago},
+        "w-2": {("hang", 3): long_ago, ("ok", 1): long_ago},
+        "w-3": {("hang", 2): long_ago},
+    })
+    [event] = run_schedule([aimed_kill()], ctx, stop_after=0.3)
+    assert ctx.signals == [("w-2", signal.SIGKILL)]
+    assert event.fault == "kill_worker" and event.target == "w-2" and event.skipped is None
+    assert event.data == {"aim": "last_attempt",
+                          "aimed": [{"worker": "w-2", "job_id": "hang", "attempt": 3}]}
+
+
+def test_aimed_kills_wait_for_a_last_attempt_and_never_kill_one_worker_twice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+
+    from skiplock.chaos import nemesis_worker
+
+    monkeypatch.setattr(nemesis_worker, "AIM_WAIT_SECONDS", 0.8)
+    scripts = spec_mod.load("faulty-targets").scripts()
+    _enqueue_log(tmp_path, {"hang": scripts["always_hang"]})
+    ctx = FakeContext(run_dir=tmp_path, holders=["w-1"])
+
+    def claim_later() -> None:
+        time.sleep(0.3)
+        ctx.held["w-1"] = {("hang", 3): time.time() - 1.0}
+
+    threading.Thread(target=claim_later, daemon=True).start()
+    started = time.time()
+    events = run_schedule([aimed_kill(), aimed_kill(at=0.1)], ctx, stop_after=0.6)
+    kills = [e for e in events if e.skipped is None]
+    assert ctx.signals == [("w-1", signal.SIGKILL)] and len(kills) == 1
+    assert kills[0].start >= started + 0.3  # at the kill, not at the firing
+    # The other firing saw only the worker already killed (its process still listed), went
+    # on looking, and was skipped.
+    [skipped] = [e for e in events if e.skipped is not None]
+    assert "last attempt" in str(skipped.skipped)
+
+
+def test_an_aimed_kill_that_finds_no_last_attempt_is_skipped_with_its_aim(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from skiplock.chaos import nemesis_worker
+
+    monkeypatch.setattr(nemesis_worker, "AIM_WAIT_SECONDS", 0.05)
+    scripts = spec_mod.load("faulty-targets").scripts()
+    _enqueue_log(tmp_path, {"hang": scripts["always_hang"]})
+    ctx = FakeContext(run_dir=tmp_path, held={"w-1": {("hang", 3): time.time()}})
+    [event] = run_schedule([aimed_kill()], ctx, stop_after=0.4)
+    assert event.skipped is not None and "last attempt" in event.skipped
+    assert event.data == {"aim": "last_attempt"} and ctx.signals == []
+
+
+def test_a_scenario_with_a_bad_aim_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text('duration = 5\n[[nemesis]]\nkind = "kill_worker"\naim = "first"\n')
+    with pytest.raises(spec_mod.SpecError, match=r"^nemesis kill_worker: aim must be one of "
+                       r"'any', 'last_attempt' \(got 'first'\)$"):
+        spec_mod.load(str(path))

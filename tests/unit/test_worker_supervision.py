@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +40,24 @@ def test_worker_ids_name_the_host_and_this_process() -> None:
     if host.replace("-", "").isalnum():
         assert f"-{host}-" in prefix
     assert unique_prefix("w").startswith("w-")
+
+
+def test_the_lease_tracker_keeps_each_open_attempt_with_its_claim_time(tmp_path: Path) -> None:
+    from skiplock.reports.history import WORKER_LOG, LogWriter, WorkerEvent
+    from skiplock.scenarios.workers import _LeaseTracker
+
+    path = tmp_path / "w-1.csv"
+    tracker = _LeaseTracker()
+    with LogWriter(path, WORKER_LOG) as writer:
+        writer.write(WorkerEvent(kind="start", worker="w-1", time=1.0, data={"pid": 1}))
+        for job, at in (("a", 2.0), ("b", 2.5), ("c", 2.75)):
+            writer.write(WorkerEvent(kind="claim", worker="w-1", time=at, job_id=job,
+                                     attempt=3, data={"lease_token": job}))
+        assert tracker.held({"w-1": path, "w-2": tmp_path / "none.csv"}) == {
+            "w-1": {("a", 3): 2.0, ("b", 3): 2.5, ("c", 3): 2.75}}
+        writer.write(WorkerEvent(kind="write", worker="w-1", time=3.0, job_id="a", attempt=3,
+                                 data={"result": "applied", "outcome": "transient"}))
+        writer.write(WorkerEvent(kind="release", worker="w-1", time=3.1, job_id="b",
+                                 attempt=3, data={"result": "applied"}))
+    assert tracker.held({"w-1": path}) == {"w-1": {("c", 3): 2.75}}
+    assert tracker.holding({"w-1": path}) == ["w-1"]
