@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -26,6 +27,7 @@ from typing import Any
 
 import multiprocess
 
+from skiplock.chaos.nemesis import HeldLease
 from skiplock.plumbing.errors import HarnessError, UsageError
 from skiplock.plumbing.orphans import die_with_parent, name_this_process
 from skiplock.queue_impl.dispatcher import (
@@ -110,13 +112,14 @@ def _has_start_event(path: Path, offset: int) -> bool:
 
 class _LeaseTracker:
     """Which workers hold a lease now, read from their event logs as they grow: a `claim`
-    opens an attempt, its `write` (any result) or `release` closes it. Reads only whole
-    lines; a worker that died keeps its open attempts (it held them when it died)."""
+    opens an attempt, its `http` event marks its call answered, its `write` (any result) or
+    `release` closes it. Reads only whole lines; a worker that died keeps its open attempts
+    (it held them when it died)."""
 
     def __init__(self) -> None:
         self._offsets: dict[Path, int] = {}
         self._names: dict[Path, list[str]] = {}
-        self._open: dict[str, set[tuple[str, int]]] = {}
+        self._open: dict[str, dict[tuple[str, int], HeldLease]] = {}
         self._lock = threading.Lock()
 
     def holding(self, logs: Mapping[str, Path]) -> list[str]:
@@ -124,6 +127,12 @@ class _LeaseTracker:
             for worker_id, path in logs.items():
                 self._read(worker_id, path)
             return [w for w in logs if self._open.get(w)]
+
+    def leases(self, logs: Mapping[str, Path]) -> list[HeldLease]:
+        with self._lock:
+            for worker_id, path in logs.items():
+                self._read(worker_id, path)
+            return [lease for w in logs for lease in self._open.get(w, {}).values()]
 
     def _read(self, worker_id: str, path: Path) -> None:
         try:
@@ -140,7 +149,7 @@ class _LeaseTracker:
             return
         end = data.rfind(b"\n") + 1
         self._offsets[path] += end
-        held = self._open.setdefault(worker_id, set())
+        held = self._open.setdefault(worker_id, {})
         for number, line in enumerate(data[:end].decode().splitlines(), start=2):
             try:
                 row = parse_row(path, number, line, self._names[path], WORKER_LOG)
@@ -150,9 +159,12 @@ class _LeaseTracker:
                 continue
             key = (str(row["job_id"]), int(row["attempt"]))
             if row["kind"] == "claim":
-                held.add(key)
+                held[key] = HeldLease(worker=worker_id, job_id=key[0], attempt=key[1],
+                                      claimed_at=float(row["time"]))
+            elif row["kind"] == "http" and key in held:
+                held[key] = dataclasses.replace(held[key], answered=True)
             elif row["kind"] in ("write", "release"):
-                held.discard(key)
+                held.pop(key, None)
 
 
 def unique_prefix(name: str = "worker") -> str:
@@ -391,6 +403,11 @@ class WorkerPool:
         """Running workers that hold a lease now, by their event logs."""
         running = self.running()
         return self._leases.holding({w: self.events_path(w) for w in running})
+
+    def leases_held(self) -> list[HeldLease]:
+        """Every attempt running workers hold now, by their event logs."""
+        running = self.running()
+        return self._leases.leases({w: self.events_path(w) for w in running})
 
     def send_signal(self, worker_id: str, sig: int) -> None:
         """Send `sig` to the process of `worker_id`, if it still runs."""
