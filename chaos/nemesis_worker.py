@@ -83,7 +83,8 @@ class PauseWorker(Fault):
                 self.ctx.signal_worker(worker, signal.SIGSTOP)
             _STOPPED.update((run, worker) for worker in self._paused)
         if self.planned.until == "reclaimed":
-            self.data["until"] = "reclaimed"
+            # How it ended: replaced by `hold` unless the end of the load heals it first.
+            self.data.update(until="reclaimed", resumed="load end")
             # Read once they are stopped: their logs no longer change.
             self._watched = {lease.job_id: lease.attempt for lease in self.ctx.leases_held()
                              if lease.worker in self._paused}
@@ -160,7 +161,6 @@ class PauseWorker(Fault):
             if time.monotonic() >= deadline:
                 self.data["resumed"] = "duration"
                 return
-        self.data["resumed"] = "load end"
 
     def heal(self) -> None:
         paused = getattr(self, "_paused", ())
