@@ -61,6 +61,11 @@ Aim = Literal["any", "last_attempt"]
 AIMS: tuple[str, ...] = Aim.__args__  # type: ignore[attr-defined]
 # The kinds each aim but the default applies to.
 _AIM_KINDS = {"last_attempt": "kill_worker"}
+# When a lease-phase pause_worker ends: after its `duration` ("duration", the default), or
+# aimed ("reclaimed"): as soon as another worker has claimed one of the paused worker's jobs
+# again and that delivery is still in flight, so the paused worker's stale result reaches the
+# queue while the job is PROCESSING under the new lease (`duration` is then the longest wait).
+PauseUntil = Literal["duration", "reclaimed"]
 
 
 class NemesisError(ValueError):
@@ -88,7 +93,7 @@ class NemesisSpec:
     `probability` is the chance that a firing happens at all (seeded), and for the failpoint
     kinds the chance per job while the window is open; `external` says what a fault needing
     an owned server does against an external DSN: refuse the run (exit 2), or record itself
-    as skipped."""
+    as skipped; `until` says when a lease-phase pause ends (`PauseUntil`)."""
 
     kind: str
     at: float = 1.0
@@ -99,6 +104,7 @@ class NemesisSpec:
     external: ExternalPolicy = "refuse"
     phase: PausePhase = "lease"
     aim: Aim = "any"
+    until: PauseUntil = "duration"
 
     def validate(self) -> NemesisSpec:
         if self.kind not in NEMESIS_KINDS:
@@ -138,6 +144,12 @@ class NemesisSpec:
         if self.aim != "any" and self.kind != _AIM_KINDS[self.aim]:
             raise NemesisError(f"nemesis {self.kind}: aim {self.aim!r} applies to "
                                f"{_AIM_KINDS[self.aim]} only")
+        if self.until not in ("duration", "reclaimed"):
+            raise NemesisError(f"nemesis {self.kind}: until must be 'duration' or 'reclaimed' "
+                               f"(got {self.until!r})")
+        if self.until == "reclaimed" and (self.kind, self.phase) != ("pause_worker", "lease"):
+            raise NemesisError(f"nemesis {self.kind}: until = 'reclaimed' applies to "
+                               "pause_worker in the lease phase only")
         return self
 
     def to_json(self) -> dict[str, Any]:
@@ -163,7 +175,7 @@ def spec_from_mapping(raw: Mapping[str, Any], where: str = "nemesis") -> Nemesis
 
 
 def _coerce(where: str, key: str, value: Any) -> Any:
-    if key in ("kind", "external", "phase", "aim"):
+    if key in ("kind", "external", "phase", "aim", "until"):
         if not isinstance(value, str):
             raise NemesisError(f"{where}.{key} must be a string (got {value!r})")
         return value
@@ -225,6 +237,7 @@ class PlannedFault:
     seed: int
     phase: PausePhase = "lease"
     aim: Aim = "any"
+    until: PauseUntil = "duration"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -250,7 +263,7 @@ def plan(specs: Sequence[NemesisSpec], *, seed: int, load_seconds: float,
                 planned.append(PlannedFault(
                     kind=spec.kind, at=round(at, 3), duration=duration, count=spec.count,
                     probability=spec.probability, external=spec.external, seed=fault_seed,
-                    phase=spec.phase, aim=spec.aim,
+                    phase=spec.phase, aim=spec.aim, until=spec.until,
                 ))
             if spec.interval <= 0:
                 break
@@ -325,6 +338,18 @@ class TargetHandle(Protocol):
         """Start it again on the same address, resuming from its log."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class HeldLease:
+    """An attempt a worker holds now, by its event log: claimed (`claimed_at`, when the claim
+    was logged), not yet written or released; `answered` once its HTTP call has ended."""
+
+    worker: str
+    job_id: str
+    attempt: int
+    claimed_at: float
+    answered: bool = False
+
+
 class NemesisContext(Protocol):
     """Everything a fault may act on during a run."""
 
@@ -351,9 +376,8 @@ class NemesisContext(Protocol):
         """Worker ids that hold a lease now (claimed, not yet written or released), by their
         event logs; running processes only."""
 
-    def leases_held(self) -> Mapping[str, Mapping[tuple[str, int], float]]:
-        """The same, with what each holds: worker id -> its open attempts (job id, attempt),
-        each with when its claim was logged (this machine's clock)."""
+    def leases_held(self) -> list[HeldLease]:
+        """Every attempt held now, as `workers_holding_leases` sees them, one by one."""
 
     def signal_worker(self, worker_id: str, signum: int) -> None:
         """Send `signum` to that worker's process (no-op if it has exited)."""
@@ -384,6 +408,11 @@ class Fault:
 
     def heal(self) -> None:
         return None
+
+    def hold(self, stop: threading.Event, seconds: float) -> None:
+        """Keep a lasting fault applied: `seconds`, or less when `stop` is set (the load
+        ended). A fault whose end is aimed returns as soon as its moment comes."""
+        stop.wait(seconds)
 
 
 FaultFactory = Callable[[NemesisContext, PlannedFault], Fault]
@@ -486,7 +515,11 @@ class ScheduledNemesis:
             return
         with self._lock:
             self._active.append(active)
-        self._stop.wait(planned.duration)
+        try:
+            fault.hold(self._stop, planned.duration)
+        except Exception as exc:
+            # Healed at once (below); the window still covers what it held.
+            self._say(f"fault: holding {planned.kind} failed: {type(exc).__name__}: {exc}")
         try:
             self._close(active)
         except Exception as exc:

@@ -16,11 +16,11 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from skiplock.chaos.nemesis import Fault, FaultSkipped, NemesisContext, register
+from skiplock.chaos.nemesis import Fault, FaultSkipped, HeldLease, NemesisContext, register
 from skiplock.queue_impl.dispatcher import (
     PAUSE_IN_CLAIM,
     PAUSE_IN_CLAIM_FIRING,
@@ -52,11 +52,12 @@ AIM_WAIT_SECONDS = 3.0
 AIM_SETTLE_SECONDS = 0.2
 
 
-def _choose_holders(fault: Fault) -> list[str]:
+def _choose_holders(fault: Fault, exclude: Collection[str] = ()) -> list[str]:
     deadline = time.monotonic() + HOLDER_WAIT_SECONDS
-    while not (holders := sorted(fault.ctx.workers_holding_leases())):
+    while not (holders := sorted(set(fault.ctx.workers_holding_leases()) - set(exclude))):
         if time.monotonic() >= deadline:
-            raise FaultSkipped(f"no worker held a lease within {HOLDER_WAIT_SECONDS:g} s")
+            raise FaultSkipped(f"no worker {'not paused already ' if exclude else ''}held a "
+                               f"lease within {HOLDER_WAIT_SECONDS:g} s")
         time.sleep(HOLDER_POLL_SECONDS)
     return fault.rng.sample(holders, min(fault.planned.count, len(holders)))
 
@@ -165,8 +166,11 @@ def _kill_last_attempts(fault: Fault) -> list[str]:
     deadline = time.monotonic() + AIM_WAIT_SECONDS
     while True:
         with state.lock:
-            held = {worker: leases for worker, leases in fault.ctx.leases_held().items()
-                    if worker not in state.killed}
+            held: dict[str, dict[tuple[str, int], float]] = {}
+            for lease in fault.ctx.leases_held():
+                if lease.worker not in state.killed:
+                    held.setdefault(lease.worker, {})[(lease.job_id, lease.attempt)] = (
+                        lease.claimed_at)
             aimed = last_attempts(held, state.jobs.read(), now=time.time(),
                                   settle=AIM_SETTLE_SECONDS)
             if aimed:
@@ -211,7 +215,11 @@ class PauseWorker(Fault):
 
     phase "lease": SIGSTOP workers that hold leases, then SIGCONT. Their leases expire and
     pass to others meanwhile, so their late result writes must be fenced, and their late
-    calls are explained by this event.
+    calls are explained by this event. A worker another pause holds stopped is not chosen
+    (two pauses at once freeze two workers). With until "reclaimed" the SIGCONT is aimed: it comes
+    as soon as another worker holds one of their jobs again with its call still running
+    (`reclaim_in_flight`), so their stale results reach the queue while the job is PROCESSING
+    under the new lease: only the lease token, not the status, can refuse them then.
 
     phase "claim": the next worker to claim stalls inside its claim transaction, after the
     claim's UPDATE and before its COMMIT (the `pause_in_claim` failpoint: the worker sleeps
@@ -226,9 +234,18 @@ class PauseWorker(Fault):
         self.data["seconds"] = self.planned.duration
         if self.planned.phase == "claim":
             return self._stall_a_claim()
-        self._paused = _choose_holders(self)
-        for worker in self._paused:
-            self.ctx.signal_worker(worker, signal.SIGSTOP)
+        run = str(self.ctx.run_dir)
+        with _STOPPED_LOCK:
+            self._paused = _choose_holders(self, exclude={w for r, w in _STOPPED if r == run})
+            for worker in self._paused:
+                self.ctx.signal_worker(worker, signal.SIGSTOP)
+            _STOPPED.update((run, worker) for worker in self._paused)
+        if self.planned.until == "reclaimed":
+            # How it ended: replaced by `hold` unless the end of the load heals it first.
+            self.data.update(until="reclaimed", resumed="load end")
+            # Read once they are stopped: their logs no longer change.
+            self._watched = {lease.job_id: lease.attempt for lease in self.ctx.leases_held()
+                             if lease.worker in self._paused}
         return list(self._paused)
 
     def _stall_a_claim(self) -> list[str | None]:
@@ -285,13 +302,60 @@ class PauseWorker(Fault):
         return {str(name)[len(self.ctx.app_prefix):].removesuffix("-lease"): now - float(age)
                 for name, age in rows if str(name).endswith("-lease")}
 
+    def hold(self, stop: threading.Event, seconds: float) -> None:
+        watched: dict[str, int] = getattr(self, "_watched", {})
+        if not watched:
+            super().hold(stop, seconds)
+            return
+        deadline = time.monotonic() + seconds
+        while not stop.wait(RECLAIM_POLL_SECONDS):
+            found = reclaim_in_flight(self.ctx.leases_held(), watched, self._paused,
+                                      now=time.time(), min_age=RECLAIM_MIN_AGE_SECONDS)
+            if found is not None:
+                self.data.update(resumed="reclaimed", reclaimed_job=found.job_id,
+                                 reclaimed_by=found.worker, reclaimed_attempt=found.attempt,
+                                 reclaimed_at=found.claimed_at)
+                return
+            if time.monotonic() >= deadline:
+                self.data["resumed"] = "duration"
+                return
+
     def heal(self) -> None:
-        for worker in getattr(self, "_paused", ()):
+        paused = getattr(self, "_paused", ())
+        for worker in paused:
             self.ctx.signal_worker(worker, signal.SIGCONT)
+        with _STOPPED_LOCK:
+            _STOPPED.difference_update((str(self.ctx.run_dir), worker) for worker in paused)
         awake_at = getattr(self, "_awake_at", None)
         if awake_at is not None:
             # The window must cover the whole stall, even when the load ends first.
             time.sleep(max(0.0, awake_at - time.time()))
+
+
+# The workers lease-phase pauses hold stopped now, as (run directory, worker id).
+_STOPPED: set[tuple[str, str]] = set()
+_STOPPED_LOCK = threading.Lock()
+
+# How often an aimed pause reads the event logs, and how long after a re-claim was logged the
+# paused worker is woken if that call is still running. Later than the checker's timing
+# tolerance (0.25 s, `skiplock.reports.checker.common.DEFAULT_TOLERANCE_SECONDS`), or a stale
+# write sent right after the claim could not be told from one sent just before it; a call
+# still running then is a slow one, so the woken worker writes before its new holder does.
+RECLAIM_POLL_SECONDS = 0.005
+RECLAIM_MIN_AGE_SECONDS = 0.3
+
+
+def reclaim_in_flight(held: Sequence[HeldLease], watched: Mapping[str, int],
+                      paused: Collection[str], *, now: float,
+                      min_age: float) -> HeldLease | None:
+    """The delivery an aimed pause wakes its workers for: a later attempt of a job they held
+    (`watched`: job id to the attempt they hold), claimed by another worker at least `min_age`
+    ago, its call not ended. The earliest claimed, or None."""
+    found = [lease for lease in held
+             if lease.worker not in paused and not lease.answered
+             and lease.job_id in watched and lease.attempt > watched[lease.job_id]
+             and lease.claimed_at <= now - min_age]
+    return min(found, key=lambda lease: lease.claimed_at, default=None)
 
 
 class _FailpointWindow(Fault):

@@ -51,6 +51,8 @@ _SCRIPT_TEXT: dict[str, Callable[[ScenarioSpec], str]] = {
     "always_400": lambda s: "400: a dead letter at once",
     "always_fail": lambda s: f"{s.fail_status} until dead-lettered",
     "slow": lambda s: f"200 after {s.slow_seconds:g} s",
+    "slow_then_slower": lambda s: (f"200 after {s.slow_seconds:g} s, "
+                                   f"{2 * s.slow_seconds:g} s when delivered again"),
     "hang_then_late": lambda s: "a 200 past the HTTP timeout once",
     "hang_forever": lambda s: "no answer once",
     "reset": lambda s: "a connection reset once",

@@ -68,6 +68,7 @@ from skiplock.scenarios.provision import DSN_ENV, PgServer, postgres, redact_dsn
 from skiplock.scenarios.spec import FAILPOINT_NAMES, ScenarioSpec, replay_command
 
 if TYPE_CHECKING:
+    from skiplock.chaos.nemesis import HeldLease
     from skiplock.scenarios.provision_redis import RedisServer
     from skiplock.scenarios.workers import WorkerPool
 
@@ -205,9 +206,8 @@ class _FaultContext:
     def workers_holding_leases(self) -> list[str]:
         return list(self._ctx.pool.holding_leases())
 
-    def leases_held(self) -> dict[str, dict[tuple[str, int], float]]:
-        held: dict[str, dict[tuple[str, int], float]] = self._ctx.pool.leases_held()
-        return held
+    def leases_held(self) -> list[HeldLease]:
+        return list(self._ctx.pool.leases_held())
 
     def signal_worker(self, worker_id: str, signum: int) -> None:
         self._ctx.pool.send_signal(worker_id, signum)

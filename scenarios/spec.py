@@ -45,6 +45,7 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "always_400",
     "always_fail",
     "slow",
+    "slow_then_slower",
     "hang_then_late",
     "hang_forever",
     "reset",
@@ -309,6 +310,13 @@ class ScenarioSpec:
             ),
             "slow": JobScript(
                 name="slow", first=Step(behaviour=Behaviour.SLOW, seconds=self.slow_seconds)
+            ),
+            # A job delivered again (its lease passed on) answers twice as slowly, so the new
+            # holder's call is still running when the worker that lost the lease writes.
+            "slow_then_slower": JobScript(
+                name="slow_then_slower",
+                first=Step(behaviour=Behaviour.SLOW, seconds=self.slow_seconds), times=1,
+                then=Step(behaviour=Behaviour.SLOW, seconds=2 * self.slow_seconds),
             ),
             "hang_then_late": JobScript(
                 name="hang_then_late",

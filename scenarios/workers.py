@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -26,6 +27,7 @@ from typing import Any
 
 import multiprocess
 
+from skiplock.chaos.nemesis import HeldLease
 from skiplock.plumbing.errors import HarnessError, UsageError
 from skiplock.plumbing.orphans import die_with_parent, name_this_process
 from skiplock.queue_impl.dispatcher import (
@@ -110,26 +112,27 @@ def _has_start_event(path: Path, offset: int) -> bool:
 
 class _LeaseTracker:
     """Which workers hold a lease now, read from their event logs as they grow: a `claim`
-    opens an attempt, its `write` (any result) or `release` closes it. Reads only whole
-    lines; a worker that died keeps its open attempts (it held them when it died)."""
+    opens an attempt, its `http` event marks its call answered, its `write` (any result) or
+    `release` closes it. Reads only whole lines; a worker that died keeps its open attempts
+    (it held them when it died)."""
 
     def __init__(self) -> None:
         self._offsets: dict[Path, int] = {}
         self._names: dict[Path, list[str]] = {}
-        # worker -> its open attempts (job id, attempt), each with when its claim was logged
-        self._open: dict[str, dict[tuple[str, int], float]] = {}
+        self._open: dict[str, dict[tuple[str, int], HeldLease]] = {}
         self._lock = threading.Lock()
 
     def holding(self, logs: Mapping[str, Path]) -> list[str]:
-        return list(self.held(logs))
-
-    def held(self, logs: Mapping[str, Path]) -> dict[str, dict[tuple[str, int], float]]:
-        """Each worker of `logs` that holds a lease, with its open attempts and their claim
-        times."""
         with self._lock:
             for worker_id, path in logs.items():
                 self._read(worker_id, path)
-            return {w: dict(self._open[w]) for w in logs if self._open.get(w)}
+            return [w for w in logs if self._open.get(w)]
+
+    def leases(self, logs: Mapping[str, Path]) -> list[HeldLease]:
+        with self._lock:
+            for worker_id, path in logs.items():
+                self._read(worker_id, path)
+            return [lease for w in logs for lease in self._open.get(w, {}).values()]
 
     def _read(self, worker_id: str, path: Path) -> None:
         try:
@@ -156,7 +159,10 @@ class _LeaseTracker:
                 continue
             key = (str(row["job_id"]), int(row["attempt"]))
             if row["kind"] == "claim":
-                held[key] = float(row["time"])
+                held[key] = HeldLease(worker=worker_id, job_id=key[0], attempt=key[1],
+                                      claimed_at=float(row["time"]))
+            elif row["kind"] == "http" and key in held:
+                held[key] = dataclasses.replace(held[key], answered=True)
             elif row["kind"] in ("write", "release"):
                 held.pop(key, None)
 
@@ -398,11 +404,10 @@ class WorkerPool:
         running = self.running()
         return self._leases.holding({w: self.events_path(w) for w in running})
 
-    def leases_held(self) -> dict[str, dict[tuple[str, int], float]]:
-        """Running workers that hold a lease now, each with its open attempts (job id,
-        attempt) and when each claim was logged."""
+    def leases_held(self) -> list[HeldLease]:
+        """Every attempt running workers hold now, by their event logs."""
         running = self.running()
-        return self._leases.held({w: self.events_path(w) for w in running})
+        return self._leases.leases({w: self.events_path(w) for w in running})
 
     def send_signal(self, worker_id: str, sig: int) -> None:
         """Send `sig` to the process of `worker_id`, if it still runs."""

@@ -70,16 +70,34 @@ def test_kill_workers_is_valid_with_every_duplicate_explained_by_its_kill(
 
 def test_pause_workers_fences_the_late_writes_and_has_no_stale_write(
         pg_dsn: str, tmp_path: Path) -> None:
-    # The whole scenario: each pause outlasts the lease before the load ends.
+    # The whole scenario: each pause outlasts the lease, and ends once one of its worker's
+    # jobs is re-claimed and that call still runs.
     result = run(pg_dsn, tmp_path, "pause-workers", [], seed=5)
     verdict = result.verdict
     assert verdict.valid is True, verdict.examples
     assert verdict.counts["stale_write"] == 0
-    fenced = [e for e in worker_events(result.run_dir)
-              if e["kind"] == "write" and e["result"] == "fenced"]
+    events = worker_events(result.run_dir)
+    fenced = [e for e in events if e["kind"] == "write" and e["result"] == "fenced"]
     assert fenced, "the paused workers' late writes were not fenced"
     spec_json = json.loads((result.run_dir / "spec.json").read_text())
     assert [p["kind"] for p in spec_json["nemesis_schedule"]] == ["pause_worker"] * 3
+    pauses = [f for f in read_jsonl(result.run_dir / NEMESIS_FILE)
+              if f["data"].get("until") == "reclaimed"]
+    assert len({p["target"] for p in pauses}) == 2, "both pauses froze the same worker"
+    aimed = [p for p in pauses if p["data"]["resumed"] == "reclaimed"]
+    assert aimed, f"no pause was woken by a re-claim: {pauses}"
+    for pause in aimed:
+        job, attempt = pause["data"]["reclaimed_job"], pause["data"]["reclaimed_attempt"]
+        of_job = [e for e in events if e["job_id"] == job]
+        [stale] = [e for e in of_job if e["kind"] == "write"
+                   and e["worker"] == pause["target"] and int(e["attempt"]) < attempt]
+        [call] = [e for e in of_job if e["kind"] == "http"
+                  and e["worker"] == pause["data"]["reclaimed_by"]
+                  and int(e["attempt"]) == attempt]
+        # The paused worker's stale result reached the queue (and was fenced) while the new
+        # holder's call was still running: logged after its commit, before that call ended.
+        assert stale["result"] == "fenced", of_job
+        assert float(stale["time"]) < float(call["end"]), of_job
 
 
 def test_a_worker_paused_inside_its_claim_transaction_sends_nothing_on_expired_leases(

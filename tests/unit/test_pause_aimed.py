@@ -1,0 +1,251 @@
+"""pause_worker with until = "reclaimed": a pause whose end is aimed at the moment when only
+the lease token can refuse the paused worker's stale write (pure logic: fake contexts and
+event logs written by hand, no processes)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from skiplock.chaos import nemesis_worker
+from skiplock.chaos.nemesis import (
+    HeldLease,
+    NemesisError,
+    NemesisSpec,
+    PlannedFault,
+    ScheduledNemesis,
+    plan,
+    spec_from_mapping,
+)
+from skiplock.chaos.nemesis_worker import reclaim_in_flight
+from skiplock.reports.checker.common import DEFAULT_TOLERANCE_SECONDS
+from skiplock.reports.history import WORKER_LOG, FaultEvent, LogWriter
+from skiplock.scenarios import spec as spec_mod
+from skiplock.scenarios.workers import _LeaseTracker, log_sink
+
+# --- the spec ------------------------------------------------------------------------------
+
+
+def test_until_is_planned_with_the_pause() -> None:
+    spec = spec_from_mapping({"kind": "pause_worker", "at": 0.5, "duration": 6.0,
+                              "until": "reclaimed"})
+    [firing] = plan([spec], seed=1, load_seconds=7.0, lease_seconds=4.0,
+                    http_timeout_seconds=1.0)
+    assert (firing.until, firing.duration) == ("reclaimed", 6.0)
+    [plain] = plan([NemesisSpec(kind="pause_worker")], seed=1, load_seconds=7.0,
+                   lease_seconds=4.0, http_timeout_seconds=1.0)
+    assert plain.until == "duration"
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"kind": "pause_worker", "until": "later"}, "until must be 'duration' or 'reclaimed'"),
+    ({"kind": "pause_worker", "until": 1}, "until must be a string"),
+    ({"kind": "kill_worker", "until": "reclaimed"}, "applies to pause_worker in the lease"),
+    ({"kind": "pause_worker", "phase": "claim", "until": "reclaimed"},
+     "applies to pause_worker in the lease phase only"),
+])
+def test_until_is_refused_where_it_means_nothing(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(NemesisError, match=message):
+        spec_from_mapping(raw)
+
+
+def test_the_shipped_fencing_scenarios_aim_their_pauses() -> None:
+    for name in ("pause-workers", "mixed"):
+        pauses = [n for n in spec_mod.load(name).nemesis
+                  if n.kind == "pause_worker" and n.phase == "lease"]
+        assert pauses and all(n.until == "reclaimed" for n in pauses), name
+
+
+def test_the_wake_up_comes_after_the_checkers_tolerance() -> None:
+    # A stale write sent within the tolerance of the re-claim is not counted as stale.
+    assert nemesis_worker.RECLAIM_MIN_AGE_SECONDS > DEFAULT_TOLERANCE_SECONDS
+
+
+# --- which delivery a pause wakes for ------------------------------------------------------
+
+
+def held(worker: str, job: str, attempt: int, claimed_at: float,
+         answered: bool = False) -> HeldLease:
+    return HeldLease(worker=worker, job_id=job, attempt=attempt, claimed_at=claimed_at,
+                     answered=answered)
+
+
+def test_a_later_attempt_of_a_watched_job_claimed_long_enough_ago_and_still_running() -> None:
+    watched = {"j1": 1, "j2": 1}
+    found = reclaim_in_flight(
+        [held("w0", "j1", 1, 0.0),            # the paused worker's own lease
+         held("w1", "j9", 2, 0.0),            # a job it never held
+         held("w1", "j1", 2, 9.8),            # claimed too recently
+         held("w2", "j2", 2, 9.0, True),      # its call has ended
+         held("w2", "j1", 1, 5.0),            # not a later attempt
+         held("w1", "j2", 2, 9.5), held("w2", "j1", 3, 9.6)],
+        watched, {"w0"}, now=10.0, min_age=0.3)
+    assert found == held("w1", "j2", 2, 9.5)  # the earliest of the two that qualify
+    assert reclaim_in_flight([held("w1", "j1", 2, 9.8)], watched, {"w0"}, now=10.0,
+                             min_age=0.3) is None
+    assert reclaim_in_flight([], watched, {"w0"}, now=10.0, min_age=0.3) is None
+
+
+# --- the lease tracker reads `answered` from the logs ----------------------------------------
+
+
+def test_the_tracker_sees_claims_answers_and_writes(tmp_path: Path) -> None:
+    path = tmp_path / "w1.csv"
+    writer = LogWriter(path, WORKER_LOG)
+    sink = log_sink(writer, "w1")
+    tracker = _LeaseTracker()
+
+    def event(kind: str, job: str, attempt: int, **more: Any) -> None:
+        sink(kind, {"job_id": job, "attempt": attempt, **more})
+
+    try:
+        event("claim", "a", 1)
+        event("claim", "b", 2)
+        [a, b] = sorted(tracker.leases({"w1": path}), key=lambda h: h.job_id)
+        assert (a.worker, a.job_id, a.attempt, a.answered) == ("w1", "a", 1, False)
+        assert b.attempt == 2 and b.claimed_at <= time.time()
+        event("http", "a", 1, result="ok", status=200)
+        event("write", "b", 2, result="fenced", outcome="success")
+        assert tracker.leases({"w1": path}) == [HeldLease(worker="w1", job_id="a", attempt=1,
+                                                          claimed_at=a.claimed_at,
+                                                          answered=True)]
+        assert tracker.holding({"w1": path}) == ["w1"]
+        event("write", "a", 1, result="applied", outcome="success")
+        assert tracker.leases({"w1": path}) == [] and tracker.holding({"w1": path}) == []
+    finally:
+        writer.close()
+
+
+# --- the scheduler, on a fake context --------------------------------------------------------
+
+
+@dataclass
+class FakeContext:
+    """Lease holders, the leases they hold (changed by the test as time passes), and the
+    signals sent."""
+
+    holders: list[str] = field(default_factory=lambda: ["w0", "w1"])
+    held: list[HeldLease] = field(default_factory=list)
+    signals: list[tuple[str, int]] = field(default_factory=list)
+    run_dir: Path = Path("/nonexistent")
+    dsn: str = ""
+    schema: str = "s"
+    app_prefix: str = "p-"
+    server_owned: bool = True
+    lease_seconds: float = 4.0
+    http_timeout_seconds: float = 1.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def restart_server(self) -> None:
+        raise AssertionError("not in this test")
+
+    def targets(self) -> list[Any]:
+        return []
+
+    def workers_alive(self) -> list[str]:
+        return list(self.holders)
+
+    def workers_holding_leases(self) -> list[str]:
+        return list(self.holders)
+
+    def leases_held(self) -> list[HeldLease]:
+        with self.lock:
+            return list(self.held)
+
+    def signal_worker(self, worker_id: str, signum: int) -> None:
+        self.signals.append((worker_id, signum))
+
+    def set_failpoint(self, name: str, probability: float) -> None:
+        raise AssertionError("not in this test")
+
+
+def aimed(at: float = 0.0, duration: float = 30.0, seed: int = 1) -> PlannedFault:
+    return PlannedFault(kind="pause_worker", at=at, duration=duration, count=1,
+                        probability=1.0, external="refuse", seed=seed, until="reclaimed")
+
+
+def start(faults: list[PlannedFault], ctx: FakeContext) -> tuple[ScheduledNemesis,
+                                                                   list[FaultEvent]]:
+    events: list[FaultEvent] = []
+    lock = threading.Lock()
+
+    def record(event: FaultEvent) -> None:
+        with lock:
+            events.append(event)
+
+    scheduled = ScheduledNemesis(faults, record)
+    scheduled.start(ctx, time.time())
+    return scheduled, events
+
+
+def wait_for(condition: Any, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_an_aimed_pause_ends_when_a_reclaim_of_its_job_has_run_long_enough() -> None:
+    ctx = FakeContext(holders=["w0"], held=[held("w0", "j1", 1, time.time())])
+    scheduled, events = start([aimed()], ctx)
+    try:
+        wait_for(lambda: ctx.signals == [("w0", signal.SIGSTOP)])
+        time.sleep(0.2)
+        assert events == []  # nothing re-claimed yet: still paused
+        reclaimed_at = time.time()
+        with ctx.lock:
+            ctx.held = [held("w0", "j1", 1, 0.0), held("w1", "j1", 2, reclaimed_at)]
+        wait_for(lambda: len(events) == 1)
+    finally:
+        scheduled.stop()
+    [event] = events
+    assert ctx.signals == [("w0", signal.SIGSTOP), ("w0", signal.SIGCONT)]
+    assert event.end is not None
+    assert reclaimed_at + nemesis_worker.RECLAIM_MIN_AGE_SECONDS <= event.end < reclaimed_at + 2
+    assert event.data["resumed"] == "reclaimed"
+    assert (event.data["reclaimed_job"], event.data["reclaimed_by"],
+            event.data["reclaimed_attempt"]) == ("j1", "w1", 2)
+
+
+def test_an_aimed_pause_with_no_reclaim_ends_after_its_duration() -> None:
+    ctx = FakeContext(holders=["w0"], held=[held("w0", "j1", 1, time.time())])
+    before = time.time()
+    scheduled, events = start([aimed(duration=0.3)], ctx)
+    try:
+        wait_for(lambda: len(events) == 1)
+    finally:
+        scheduled.stop()
+    [event] = events
+    assert event.data["resumed"] == "duration" and event.end is not None
+    assert before + 0.3 <= event.end
+    assert ctx.signals == [("w0", signal.SIGSTOP), ("w0", signal.SIGCONT)]
+
+
+def test_an_aimed_pause_is_healed_when_the_load_ends() -> None:
+    ctx = FakeContext(holders=["w0"], held=[held("w0", "j1", 1, time.time())])
+    scheduled, events = start([aimed()], ctx)
+    wait_for(lambda: len(ctx.signals) == 1)
+    scheduled.stop()
+    [event] = events
+    assert event.data["resumed"] == "load end"
+    assert ctx.signals[-1] == ("w0", signal.SIGCONT)
+
+
+def test_a_second_pause_picks_a_worker_the_first_does_not_hold_stopped() -> None:
+    ctx = FakeContext(holders=["w0", "w1"])
+    # One seed for both: without the rule they would draw the same worker.
+    scheduled, _ = start([aimed(seed=1), aimed(seed=1)], ctx)
+    try:
+        wait_for(lambda: len(ctx.signals) == 2)
+    finally:
+        scheduled.stop()
+    stopped = [w for w, s in ctx.signals if s == signal.SIGSTOP]
+    assert sorted(stopped) == ["w0", "w1"]
+    # Healed: both may be chosen again.
+    assert not nemesis_worker._STOPPED
