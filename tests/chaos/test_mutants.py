@@ -76,7 +76,7 @@ def test_there_is_a_mutant_for_every_class_of_bug() -> None:
     # Every anomaly a queue's SQL can cause has a mutant that causes it.
     assert caught >= {"lost", "duplicate_unexplained", "concurrent_delivery",
                       "attempts_exceeded", "early_retry", "limit_exceeded",
-                      "state_mismatch", "stale_write"}
+                      "state_mismatch", "stale_write", "starvation", "objective_missed"}
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m.path.stem for m in MUTANTS])

@@ -13,6 +13,7 @@ import pytest
 
 from skiplock.chaos import nemesis
 from skiplock.chaos.nemesis import (
+    HeldLease,
     NemesisError,
     NemesisSpec,
     PlannedFault,
@@ -181,9 +182,10 @@ class FakeContext:
     def workers_holding_leases(self) -> list[str]:
         return list(self.holders)
 
-    def leases_held(self) -> dict[str, dict[tuple[str, int], float]]:
+    def leases_held(self) -> list[HeldLease]:
         # A killed worker's process lingers for a moment: it still shows here.
-        return {w: dict(leases) for w, leases in self.held.items()}
+        return [HeldLease(worker=w, job_id=job, attempt=attempt, claimed_at=at)
+                for w, leases in self.held.items() for (job, attempt), at in leases.items()]
 
     def signal_worker(self, worker_id: str, signum: int) -> None:
         self.signals.append((worker_id, signum))

@@ -53,11 +53,13 @@ def test_the_lease_tracker_keeps_each_open_attempt_with_its_claim_time(tmp_path:
         for job, at in (("a", 2.0), ("b", 2.5), ("c", 2.75)):
             writer.write(WorkerEvent(kind="claim", worker="w-1", time=at, job_id=job,
                                      attempt=3, data={"lease_token": job}))
-        assert tracker.held({"w-1": path, "w-2": tmp_path / "none.csv"}) == {
-            "w-1": {("a", 3): 2.0, ("b", 3): 2.5, ("c", 3): 2.75}}
+        assert [(x.worker, x.job_id, x.attempt, x.claimed_at) for x in tracker.leases(
+            {"w-1": path, "w-2": tmp_path / "none.csv"})] == [
+            ("w-1", "a", 3, 2.0), ("w-1", "b", 3, 2.5), ("w-1", "c", 3, 2.75)]
         writer.write(WorkerEvent(kind="write", worker="w-1", time=3.0, job_id="a", attempt=3,
                                  data={"result": "applied", "outcome": "transient"}))
         writer.write(WorkerEvent(kind="release", worker="w-1", time=3.1, job_id="b",
                                  attempt=3, data={"result": "applied"}))
-    assert tracker.held({"w-1": path}) == {"w-1": {("c", 3): 2.75}}
+    assert [(x.worker, x.job_id, x.attempt, x.claimed_at)
+            for x in tracker.leases({"w-1": path})] == [("w-1", "c", 3, 2.75)]
     assert tracker.holding({"w-1": path}) == ["w-1"]
