@@ -36,6 +36,7 @@ from skiplock.reports.history import (
     VERDICT_FILE,
     WAITS_FILE,
     WORKERS_DIR,
+    Behaviour,
     HistoryError,
 )
 
@@ -326,15 +327,30 @@ def finishing_writes(run: RunData) -> tuple[pd.Series, pd.Series]:
     return done, failed
 
 
+# What the echo target does by a job's script that fails the delivery (a 5xx or 4xx status,
+# an answer past the timeout, no answer, a reset): the scripted target faults, drawn over
+# time as the nemesis faults are shaded.
+SCRIPTED_FAILURES = frozenset({Behaviour.HANG.value, Behaviour.HANG_FOREVER.value,
+                               Behaviour.RESET.value})
+
+
 def throughput(run: RunData, width: float, end: float) -> dict[str, pd.Series]:
     """Per-second rates: enqueued (acknowledged), delivered (requests the target received),
-    completed and dead-lettered (applied result writes)."""
+    failed by script (deliveries the target failed as the job's script says), completed and
+    dead-lettered (applied result writes)."""
     series: dict[str, pd.Series] = {}
     if run.enqueues is not None:
         series["enqueued"] = _rate(run.enqueues[run.enqueues["type"] == "ok"]["time"],
                                    run.t0, width, end)
     if run.deliveries is not None:
         series["delivered"] = _rate(run.deliveries["received"], run.t0, width, end)
+        d = run.deliveries
+        status = pd.to_numeric(d["status"], errors="coerce")
+        scripted = d["behaviour"].isin(SCRIPTED_FAILURES) | (
+            (d["behaviour"] == Behaviour.STATUS.value) & ~status.between(200, 299))
+        if scripted.any():
+            series["failed by script"] = _rate(run.deliveries["received"][scripted], run.t0,
+                                               width, end)
     if run.events is not None:
         done, failed = finishing_writes(run)
         series["completed"] = _rate(done, run.t0, width, end)
@@ -343,11 +359,17 @@ def throughput(run: RunData, width: float, end: float) -> dict[str, pd.Series]:
 
 
 def _due_times(run: RunData) -> pd.Series:
-    """When each job became due: its invoke, or its run_at when that is later."""
+    """When each job became due, as the checker counts it (its objectives are drawn against
+    these waits): its enqueue acknowledged (the invoke where no answer was recorded), or its
+    run_at when that is later."""
     assert run.enqueues is not None
-    invokes = run.enqueues[run.enqueues["type"] == "invoke"].drop_duplicates("job_id")
-    due = invokes["time"].where(~(invokes["run_at"] > invokes["time"]), invokes["run_at"])
-    return pd.Series(due.to_numpy(), index=invokes["job_id"].to_numpy())
+    enqueues = run.enqueues
+    invokes = enqueues[enqueues["type"] == "invoke"].drop_duplicates("job_id")
+    acked = enqueues[enqueues["type"] == "ok"].drop_duplicates("job_id")
+    at = pd.Series(invokes["time"].to_numpy(), index=invokes["job_id"].to_numpy())
+    at.update(pd.Series(acked["time"].to_numpy(), index=acked["job_id"].to_numpy()))
+    run_at = pd.Series(invokes["run_at"].to_numpy(), index=invokes["job_id"].to_numpy())
+    return at.where(~(run_at > at), run_at)
 
 
 def latencies(run: RunData) -> dict[str, pd.DataFrame]:

@@ -39,7 +39,7 @@ DPI = 110
 _FAULT_COLOURS = ("#e4572e", "#8e44ad", "#f39c12", "#16a085", "#c0392b", "#2c3e50",
                   "#d35400", "#7f8c8d", "#27ae60", "#2980b9")
 _SERIES_COLOURS = {"enqueued": "#4c72b0", "delivered": "#55a868", "completed": "#222222",
-                   "dead-lettered": "#c44e52"}
+                   "dead-lettered": "#c44e52", "failed by script": "#937860"}
 _RUN_STYLES = ("-", "--", ":", "-.")
 # Every time axis: the warm-up's start is 0, as the verdict's sentences count (the "load →"
 # mark is where the full rate began).
@@ -124,6 +124,11 @@ def throughput_figure(runs: Sequence[RunData], width: float, end: float) -> byte
             if len(runs) > 1 and name not in ("delivered", "completed"):
                 continue
             label = name if len(runs) == 1 else f"{name}: {run.name}"
+            if name == "failed by script":
+                # The target's scripted faults, shaded under the rates as faults are.
+                ax.fill_between(series.index, series.to_numpy(), step="mid", linewidth=0,
+                                color=_SERIES_COLOURS[name], alpha=0.35, label=label)
+                continue
             ax.plot(series.index, series.to_numpy(), style, color=_SERIES_COLOURS[name],
                     label=label, linewidth=1.4 if name != "completed" else 1.0)
             drawn = True
