@@ -164,7 +164,8 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def spread(path: Path, doc: dict[str, Any]) -> dict[str, tuple[float, float]]:
-    """{figure: (lowest, highest)} over the rounds a result kept (`bench queue --rounds`),
+    """{figure: (lowest, highest)} over the rounds a result kept (`bench queue`, `bench e2e`
+    or `bench claim` with `--rounds`),
     for figures every round has; empty for a result of one round."""
     rounds = doc.get("rounds")
     if not isinstance(rounds, list) or len(rounds) < 2:
@@ -255,5 +256,5 @@ def run(args: argparse.Namespace) -> int:
               " measured")
     else:
         print(f"no figure worse by more than {threshold:.0%} (one round each: the noise is"
-              " unknown; `bench queue --rounds 3` measures it)")
+              " unknown; `--rounds 3` on the bench measures it)")
     return 0

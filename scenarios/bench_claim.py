@@ -20,7 +20,7 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -34,6 +34,7 @@ from skiplock.plumbing.errors import UsageError
 from skiplock.queue_impl.pg import apply_plan_settings, explain_as_run
 from skiplock.queue_impl.sqlfile import statements_and_sources
 from skiplock.reports.selfdescribe import describe
+from skiplock.scenarios.bench_queue import MAX_ROUNDS, by_round
 from skiplock.scenarios.provision import postgres
 
 SCHEMA_PREFIX = "skiplock_bench_claim"
@@ -53,6 +54,8 @@ class SizeResult:
     rows_filtered: int
     buffers: int
     fill_seconds: float
+    # Each round's p50 and p99 (ms): `repeat` claims timed again, the median round above.
+    rounds: tuple[tuple[float, float], ...] = ()
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +68,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=10, help="jobs per claim (default 10)")
     parser.add_argument("--repeat", type=int, default=200,
                         help="claims timed per size (default 200)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time each size's claims this many times over (1 to 20; default "
+                             "1): the result keeps each round, so `skiplock compare` can tell "
+                             "noise from a change")
     parser.add_argument("--sql", default=None, metavar="FILE",
                         help="your own claim blocks (as `skiplock run --sql`)")
     parser.add_argument("--dsn", default=None,
@@ -90,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("batch", "repeat"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    if not 1 <= args.rounds <= MAX_ROUNDS:
+        raise UsageError(f"--rounds must be from 1 to {MAX_ROUNDS}, got {args.rounds}")
     try:
         statements, _ = statements_and_sources(args.sql)
     except (OSError, ValueError) as exc:
@@ -102,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"server: {server.kind} {server.display}, PostgreSQL "
               f"{settings['server_version']}; batch {args.batch}, {args.repeat} claims per size",
               flush=True)
-        results = [measure(server.dsn, statements, n, args.batch, args.repeat, accounts=a)
+        results = [measure(server.dsn, statements, n, args.batch, args.repeat, accounts=a,
+                           rounds=args.rounds)
                    for n in backlogs for a in accounts]
     base = results[0]
     print(f"{'backlog':>10} {'accounts':>9} {'p50 ms':>8} {'p99 ms':>8} {'exec ms':>8} "
@@ -112,20 +122,35 @@ def run(args: argparse.Namespace) -> int:
               f"{r.execution_ms:>8.2f} "
               f"{r.rows_filtered:>9,} {r.buffers:>8,} {r.claimed:>8} "
               f"{r.p50_ms / base.p50_ms:>6.2f}")
+    if args.rounds > 1:
+        print(by_round([{"sizes": [{"p50_ms": r.rounds[i][0]} for r in results]}
+                        for i in range(args.rounds)],
+                       [(f"p50 ms at {r.backlog:,}/{r.unlimited_accounts}", _size_p50(k))
+                        for k, r in enumerate(results)]), flush=True)
     doc = {"benchmark": "claim", "finished_at": datetime.now(UTC).isoformat(),
            "params": {"backlogs": backlogs, "accounts": accounts, "batch": args.batch,
-                      "repeat": args.repeat, "sql": args.sql},
+                      "repeat": args.repeat, "sql": args.sql, "rounds": args.rounds},
            "postgres": settings, "durable": settings["durable"],
            "server": {"kind": server.kind, "dsn": server.display}, **describe(),
-           "sizes": [asdict(r) for r in results]}
+           "sizes": [asdict(r) for r in results],
+           # Each round as a result of its own (what `skiplock compare` reads the spread from).
+           "rounds": [{"sizes": [{"backlog": r.backlog,
+                                  "unlimited_accounts": r.unlimited_accounts,
+                                  "p50_ms": r.rounds[i][0], "p99_ms": r.rounds[i][1]}
+                                 for r in results]} for i in range(args.rounds)]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     print(f"written: {out}")
     return 0
 
 
+def _size_p50(k: int) -> Callable[[Mapping[str, Any]], float | None]:
+    """A round's p50 of the k-th size."""
+    return lambda one: float(one["sizes"][k]["p50_ms"])
+
+
 def measure(dsn: str, statements: dict[str, str], backlog: int, batch: int,
-            repeat: int, *, accounts: int = 1) -> SizeResult:
+            repeat: int, *, accounts: int = 1, rounds: int = 1) -> SizeResult:
     schema = f"{SCHEMA_PREFIX}_{backlog}_{accounts}"
     with psycopg.connect(dsn, autocommit=True) as conn:
         create_schema(conn, schema, statements)
@@ -139,13 +164,16 @@ def measure(dsn: str, statements: dict[str, str], backlog: int, batch: int,
             apply_plan_settings(conn)
             conn.commit()
             params = claim_params(batch)
-            times: list[float] = []
+            timed: list[list[float]] = []
             claimed = 0
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                claimed = len(claim(conn, statements, params))
-                conn.rollback()
-                times.append((time.perf_counter() - t0) * 1000)
+            for _ in range(rounds):
+                times: list[float] = []
+                for _ in range(repeat):
+                    t0 = time.perf_counter()
+                    claimed = len(claim(conn, statements, params))
+                    conn.rollback()
+                    times.append((time.perf_counter() - t0) * 1000)
+                timed.append(sorted(times))
             locked = lock_accounts(conn, statements, params)
             plan = explain_analyze(conn, statements["claim"], {**params, "locked_accounts": locked})
             conn.rollback()
@@ -154,12 +182,12 @@ def measure(dsn: str, statements: dict[str, str], backlog: int, batch: int,
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE")
                          .format(sql.Identifier(schema)))
     filtered, buffers = plan_work(plan["Plan"])
-    times.sort()
+    each = tuple((statistics.median(t), t[min(len(t) - 1, int(len(t) * 0.99))]) for t in timed)
+    p50, p99 = sorted(each)[len(each) // 2]  # the median round stands for the size
     return SizeResult(backlog=backlog, unlimited_accounts=accounts, claimed=claimed,
-                      p50_ms=statistics.median(times),
-                      p99_ms=times[min(len(times) - 1, int(len(times) * 0.99))],
+                      p50_ms=p50, p99_ms=p99,
                       execution_ms=float(plan["Execution Time"]), rows_filtered=filtered,
-                      buffers=buffers, fill_seconds=round(fill_seconds, 2))
+                      buffers=buffers, fill_seconds=round(fill_seconds, 2), rounds=each)
 
 
 def create_schema(conn: psycopg.Connection[Any], schema: str, statements: dict[str, str]) -> None:

@@ -19,7 +19,7 @@ import math
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -79,6 +79,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=None,
                         help="Redis for --against bullmq (default: SKIPLOCK_REDIS_URL, else "
                              "Docker, else embedded)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help=f"measure every phase this many times, alternating (1 to "
+                             f"{bench_queue.MAX_ROUNDS}; default 1): the result keeps each "
+                             "round, so `skiplock compare` can tell noise from a change")
     parser.add_argument("--dsn", default=None,
                         help="PostgreSQL DSN (default: SKIPLOCK_PG_DSN, else embedded)")
     parser.add_argument("--out", type=Path, default=None,
@@ -104,6 +108,9 @@ def _validate(args: argparse.Namespace) -> tuple[bench_queue.Params, Path]:
         require_pgqueuer()
     if args.against != "bullmq" and args.redis_url is not None:
         raise UsageError("--redis-url is only used with --against bullmq")
+    if not 1 <= args.rounds <= bench_queue.MAX_ROUNDS:
+        raise UsageError(f"--rounds must be from 1 to {bench_queue.MAX_ROUNDS}, "
+                         f"got {args.rounds}")
     out = args.out or Path("bench-results") / f"e2e-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
     if out.is_dir():
         raise UsageError(f"--out {out} is a directory; give a file name")
@@ -113,9 +120,6 @@ def _validate(args: argparse.Namespace) -> tuple[bench_queue.Params, Path]:
 
 def run(args: argparse.Namespace) -> int:
     params, out = _validate(args)
-    run_id = uuid.uuid4().hex[:8]
-    schemas = [f"bench_q_{run_id}", f"bench_e_{run_id}"]
-    other: dict[str, Any] | None = None
     with postgres(args.dsn, durable=True) as server:
         settings = server.settings()
         _say(f"server: {server.kind} {server.display}, PostgreSQL {settings['server_version']}"
@@ -132,28 +136,17 @@ def run(args: argparse.Namespace) -> int:
                 from skiplock.scenarios.bench_bullmq import redis_for
 
                 redis = stack.enter_context(redis_for(args.redis_url, args.durability, _say))
-            try:
-                _say(f"phase 1, queue only: prefill {params.prefill} jobs")
-                bench_queue.prefill(dsn, schemas[0], params.prefill)
-                queue = bench_queue.queue_phase(dsn, schemas[0], params)
-                _say(f"phase 2, end to end: prefill {params.prefill} jobs")
-                e2e = e2e_phase(dsn, schemas[1], params, refill=not args.barrier)
-            finally:
-                bench_queue.drop_schemas(server.dsn, schemas)
-            if redis is not None:
-                from skiplock.scenarios.bench_bullmq import bullmq_e2e_phase, redis_record
-
-                _say("phase 3, BullMQ end to end")
-                other = {"redis": redis_record(redis),
-                         **asdict(bullmq_e2e_phase(redis.url, params, _say))}
-            elif args.against == "pgqueuer":
-                from skiplock.scenarios.bench_pgqueuer import pgqueuer_e2e_phase
-
-                _say("phase 3, pgqueuer end to end")
-                other = pgqueuer_e2e_phase(dsn, params, _say)
-    ratio = e2e.jobs_per_second / queue.jobs_per_second if queue.jobs_per_second else None
+            rounds = []
+            for number in range(args.rounds):
+                if args.rounds > 1:
+                    _say(f"round {number + 1} of {args.rounds}")
+                rounds.append(_one_round(server.dsn, dsn, params, args, redis))
+    # The round whose end-to-end rate is the median stands for the result; every round is
+    # kept, so a comparison can tell a change from the spread of the rounds.
+    result = sorted(rounds, key=lambda r: r["e2e"]["jobs_per_second"])[len(rounds) // 2]
+    other = result.get(args.against) if args.against else None
     doc = {"benchmark": "e2e", "finished_at": datetime.now(UTC).isoformat(),
-           "params": {**asdict(params), "refill": not args.barrier},
+           "params": {**asdict(params), "refill": not args.barrier, "rounds": args.rounds},
            "durability": args.durability,
            "durable": (settings["durable"] and args.durability == "fsync"
                        and (other is None or "redis" not in other
@@ -161,16 +154,59 @@ def run(args: argparse.Namespace) -> int:
            "postgres": {**settings, "session_synchronous_commit": (
                "off" if args.durability == "relaxed" else settings["synchronous_commit"])},
            "server": {"kind": server.kind, "dsn": server.display}, **describe(),
-           "queue": asdict(queue), "e2e": asdict(e2e), "ratio": ratio}
-    if other is not None and args.against is not None:
-        doc[args.against] = other
-        doc[f"ratio_to_{args.against}"] = (e2e.jobs_per_second / other["jobs_per_second"]
-                                           if other["jobs_per_second"] else None)
+           **result, "rounds": rounds}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     _print_summary(doc)
+    if len(rounds) > 1:
+        _say_rounds(rounds, args.against)
     _say(f"written: {out}")
     return 0
+
+
+def _one_round(admin_dsn: str, dsn: str, params: bench_queue.Params, args: argparse.Namespace,
+               redis: Any) -> dict[str, Any]:
+    """Every phase once, each on its own freshly prefilled schema: the queue alone, the
+    dispatcher end to end, and the system compared against, if any."""
+    run_id = uuid.uuid4().hex[:8]
+    schemas = [f"bench_q_{run_id}", f"bench_e_{run_id}"]
+    try:
+        _say(f"phase 1, queue only: prefill {params.prefill} jobs")
+        bench_queue.prefill(dsn, schemas[0], params.prefill)
+        queue = bench_queue.queue_phase(dsn, schemas[0], params)
+        _say(f"phase 2, end to end: prefill {params.prefill} jobs")
+        e2e = e2e_phase(dsn, schemas[1], params, refill=not args.barrier)
+    finally:
+        bench_queue.drop_schemas(admin_dsn, schemas)
+    other: dict[str, Any] | None = None
+    if redis is not None:
+        from skiplock.scenarios.bench_bullmq import bullmq_e2e_phase, redis_record
+
+        _say("phase 3, BullMQ end to end")
+        other = {"redis": redis_record(redis),
+                 **asdict(bullmq_e2e_phase(redis.url, params, _say))}
+    elif args.against == "pgqueuer":
+        from skiplock.scenarios.bench_pgqueuer import pgqueuer_e2e_phase
+
+        _say("phase 3, pgqueuer end to end")
+        other = pgqueuer_e2e_phase(dsn, params, _say)
+    found: dict[str, Any] = {
+        "queue": asdict(queue), "e2e": asdict(e2e),
+        "ratio": e2e.jobs_per_second / queue.jobs_per_second if queue.jobs_per_second else None}
+    if other is not None and args.against is not None:
+        found[args.against] = other
+        found[f"ratio_to_{args.against}"] = (e2e.jobs_per_second / other["jobs_per_second"]
+                                             if other["jobs_per_second"] else None)
+    return found
+
+
+def _say_rounds(rounds: Sequence[Mapping[str, Any]], against: str | None) -> None:
+    columns: list[tuple[str, Callable[[Mapping[str, Any]], float | None]]] = [
+        ("end to end jobs/s", lambda r: r["e2e"]["jobs_per_second"]),
+        ("queue only jobs/s", lambda r: r["queue"]["jobs_per_second"])]
+    if against:
+        columns.append((f"ratio PgQueue/{against}", lambda r: r[f"ratio_to_{against}"]))
+    _say(bench_queue.by_round(rounds, columns))
 
 
 def _e2e_line(label: str, e2e: Mapping[str, Any]) -> str:

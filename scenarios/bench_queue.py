@@ -402,15 +402,23 @@ def _round_figures(result: dict[str, Any], other: dict[str, Any] | None,
     return figures
 
 
-def _say_rounds(rounds: Sequence[dict[str, Any]], against: str | None) -> None:
-    def each(value: Callable[[dict[str, Any]], float | None]) -> str:
+def by_round(rounds: Sequence[Mapping[str, Any]],
+             columns: Sequence[tuple[str, Callable[[Mapping[str, Any]], float | None]]]) -> str:
+    """One line of each figure's value in every round: `by round: NAME a, b, c; ...`."""
+    def each(value: Callable[[Mapping[str, Any]], float | None]) -> str:
         return ", ".join("-" if (v := value(r)) is None else f"{v:,.2f}" if v < 10
                          else f"{v:,.0f}" for r in rounds)
 
-    _say(f"by round: PgQueue jobs/s {each(lambda r: r['queue']['jobs_per_second'])}; "
-         f"ratio queue/ceiling {each(lambda r: r['ratio'])}"
-         + (f"; ratio PgQueue/{against} {each(lambda r: r[f'ratio_to_{against}'])}"
-            if against else ""))
+    return "by round: " + "; ".join(f"{name} {each(value)}" for name, value in columns)
+
+
+def _say_rounds(rounds: Sequence[dict[str, Any]], against: str | None) -> None:
+    columns: list[tuple[str, Callable[[Mapping[str, Any]], float | None]]] = [
+        ("PgQueue jobs/s", lambda r: r["queue"]["jobs_per_second"]),
+        ("ratio queue/ceiling", lambda r: r["ratio"])]
+    if against:
+        columns.append((f"ratio PgQueue/{against}", lambda r: r[f"ratio_to_{against}"]))
+    _say(by_round(rounds, columns))
 
 
 # --- the measurement ---------------------------------------------------------------------

@@ -78,3 +78,32 @@ def test_bench_e2e_against_pgqueuer_runs_its_queue_manager_over_http(
         row = conn.execute("SELECT count(*) FROM pg_database"
                            " WHERE datname LIKE 'skiplock\\_pgqueuer%'").fetchone()
     assert row == (0,)
+
+
+def test_bench_e2e_keeps_each_round_and_reports_the_median(pg_dsn: str, tmp_path: Path) -> None:
+    from skiplock.reports.cmd_compare import spread
+
+    out = tmp_path / "e2e.json"
+    parser = argparse.ArgumentParser()
+    bench_e2e.configure(parser)
+    args = parser.parse_args(["--workers", "1", "--batch", "5", "--duration", "1",
+                              "--prefill", "1000", "--rounds", "3", "--dsn", pg_dsn,
+                              "--out", str(out)])
+    assert bench_e2e.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["params"]["rounds"] == 3 and len(doc["rounds"]) == 3
+    rates = sorted(r["e2e"]["jobs_per_second"] for r in doc["rounds"])
+    assert doc["e2e"]["jobs_per_second"] == rates[1]  # the median round stands for it
+    ranges = spread(out, doc)
+    assert ranges["end to end (jobs/s)"] == (rates[0], rates[2])
+
+
+@pytest.mark.parametrize("rounds", ["0", "21"])
+def test_bench_e2e_refuses_rounds_out_of_range(rounds: str, tmp_path: Path) -> None:
+    from skiplock.plumbing.errors import UsageError
+
+    parser = argparse.ArgumentParser()
+    bench_e2e.configure(parser)
+    args = parser.parse_args(["--rounds", rounds, "--out", str(tmp_path / "x.json")])
+    with pytest.raises(UsageError, match="--rounds must be from 1 to 20"):
+        bench_e2e.run(args)

@@ -164,8 +164,26 @@ def test_bench_claim_measures_each_backlog_and_leaves_nothing(pg_dsn: str,
     assert row == (0,)
 
 
+def test_bench_claim_keeps_each_round_for_compare(pg_dsn: str, tmp_path: Path) -> None:
+    from skiplock.reports.cmd_compare import spread
+
+    out = tmp_path / "claim.json"
+    parser = argparse.ArgumentParser()
+    bench_claim.configure(parser)
+    args = parser.parse_args(["--backlogs", "50,500", "--repeat", "5", "--rounds", "3",
+                              "--dsn", pg_dsn, "--out", str(out)])
+    assert bench_claim.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["rounds"]) == 3
+    for k, size in enumerate(doc["sizes"]):
+        each = sorted(r["sizes"][k]["p50_ms"] for r in doc["rounds"])
+        assert size["p50_ms"] == each[1]  # the median round stands for the size
+        assert spread(out, doc)[f"claim p50 at {size['backlog']:,} (ms)"] == (each[0], each[2])
+
+
 @pytest.mark.parametrize(("flag", "value"), [("--backlogs", "10,x"), ("--backlogs", "0"),
-                                             ("--accounts", "0"), ("--repeat", "0")])
+                                             ("--accounts", "0"), ("--repeat", "0"),
+                                             ("--rounds", "0"), ("--rounds", "21")])
 def test_bench_claim_refuses_bad_input(flag: str, value: str, tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     bench_claim.configure(parser)
