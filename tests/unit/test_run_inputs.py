@@ -574,3 +574,22 @@ def test_secret_looking_options_are_never_shown() -> None:
     spec = BackendSpec(name="m:f", options=(("api_token", "t0k3n"), ("queue", "q")))
     assert shown_options(spec.options) == {"api_token": "***", "queue": "q"}
     assert "t0k3n" not in spec.display() and "queue=q" in spec.display()
+
+
+def test_locusts_note_about_a_user_that_already_ended_is_not_printed() -> None:
+    """Stopping users at the end of the load, Locust logs an error for a user that stopped
+    itself; the producers drop that one line (in a child: importing them patches the world)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, skiplock.scenarios.producers\n"
+        "log = logging.getLogger('locust.runners')\n"
+        "log.error(\"While stopping users, we encountered a user that didn't have proper "
+        "args %s\", 'g')\n"
+        "log.error('a real error')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert "proper args" not in done.stderr
+    assert "a real error" in done.stderr
