@@ -26,23 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
 
+from skiplock.reports.fault_kinds import BY_NAME, NAMES, names_where
 from skiplock.reports.history import FaultEvent
 
-# The kinds a scenario may name, as the checker's vocabulary records them
-# (skiplock.reports.history.FaultKind), plus kill_target.
-NemesisKind = Literal[
-    "kill_worker",
-    "pause_worker",
-    "crash_after_claim",
-    "crash_after_http",
-    "hang_target",
-    "kill_target",
-    "terminate_backends",
-    "restart_postgres",
-    "pin_xmin",
-    "exhaust_pool",
-]
-NEMESIS_KINDS: tuple[str, ...] = NemesisKind.__args__  # type: ignore[attr-defined]
+# The kinds a scenario may name: the one table of fault kinds (skiplock.reports.fault_kinds).
+NEMESIS_KINDS: tuple[str, ...] = NAMES
 
 # What to do with a fault that needs a server the harness started when the DSN is external.
 ExternalPolicy = Literal["refuse", "skip"]
@@ -204,18 +192,7 @@ def shortcut(kinds: str) -> tuple[NemesisSpec, ...]:
 
 
 # Repeat interval of the --nemesis shortcut, per kind (seconds).
-DEFAULT_INTERVAL: dict[str, float] = {
-    "kill_worker": 3.0,
-    "pause_worker": 6.0,
-    "crash_after_claim": 4.0,
-    "crash_after_http": 4.0,
-    "hang_target": 5.0,
-    "kill_target": 5.0,
-    "terminate_backends": 3.0,
-    "restart_postgres": 6.0,
-    "pin_xmin": 5.0,
-    "exhaust_pool": 6.0,
-}
+DEFAULT_INTERVAL: dict[str, float] = {k.name: k.shortcut_interval for k in BY_NAME.values()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,31 +249,18 @@ def plan(specs: Sequence[NemesisSpec], *, seed: int, load_seconds: float,
     return planned
 
 
-FAILPOINT_KINDS = frozenset({"crash_after_claim", "crash_after_http"})
+FAILPOINT_KINDS = names_where(lambda k: k.failpoint)
 # The window of a commit-phase terminate_backends whose spec gives no duration.
 COMMIT_WINDOW_SECONDS = 1.0
 # Kinds that need a server the harness started.
-OWNED_SERVER_KINDS = frozenset({"restart_postgres"})
+OWNED_SERVER_KINDS = names_where(lambda k: k.owned_server)
 
 
 def default_duration(kind: str, *, lease_seconds: float, http_timeout_seconds: float) -> float:
     """How long a lasting fault is held when the spec does not say: long enough to reach
     the bug it is for (a pause outlives the lease; a hang outlives the HTTP timeout)."""
-    match kind:
-        case "pause_worker":
-            return lease_seconds + 1.0
-        case "hang_target":
-            return http_timeout_seconds + 1.0
-        case "kill_target":
-            return 1.0
-        case "pin_xmin" | "exhaust_pool":
-            return 3.0
-        case "crash_after_claim" | "crash_after_http":
-            return 2.0
-        case "restart_postgres":
-            return 0.0
-        case _:
-            return 0.0
+    found = BY_NAME.get(kind)
+    return 0.0 if found is None else found.default_duration(lease_seconds, http_timeout_seconds)
 
 
 def check_schedule(specs: Sequence[NemesisSpec], *, load_seconds: float,

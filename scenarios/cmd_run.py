@@ -25,6 +25,7 @@ from rich.console import Console
 
 from skiplock.chaos.nemesis import NemesisError, check_schedule, shortcut
 from skiplock.plumbing.errors import Unhonoured, UsageError
+from skiplock.reports.fault_kinds import NAMES as FAULT_KIND_NAMES
 from skiplock.scenarios.provision import DSN_ENV, PgServer
 from skiplock.scenarios.spec import ScenarioSpec, SpecError, available, load
 
@@ -71,9 +72,7 @@ def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run producers as a Locust master plus --producers workers")
     parser.add_argument("--nemesis", default=None, metavar="KIND[,KIND]",
                         help="add faults to the scenario's schedule, each about every few"
-                        " seconds of the load: kill_worker, pause_worker, crash_after_claim,"
-                        " crash_after_http, hang_target, kill_target, terminate_backends,"
-                        " restart_postgres, pin_xmin, exhaust_pool")
+                        f" seconds of the load: {', '.join(FAULT_KIND_NAMES)}")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE",
                         help="override any scenario key, e.g. --set lease=5 --set mix.slow=2")

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from skiplock.queue_impl.interface import Guarantees
 from skiplock.queue_impl.plugins import REDIS_BACKENDS
+from skiplock.reports.fault_kinds import names_where
 from skiplock.scenarios.spec import ScenarioSpec
 
 # Faults that act on PostgreSQL: a queue kept elsewhere never feels them.
-POSTGRES_FAULTS = frozenset({"terminate_backends", "restart_postgres", "pin_xmin",
-                             "exhaust_pool"})
+POSTGRES_FAULTS = names_where(lambda k: k.postgres)
 
 
 def longest_retry_wait(spec: ScenarioSpec) -> float:

@@ -6,18 +6,21 @@ import math
 from typing import Any
 
 from skiplock.reports.checker.common import fmt
+from skiplock.reports.fault_kinds import NAMES, names_where
 
+# The categories, from the one table of fault kinds (`skiplock.reports.fault_kinds`).
 # Faults that hit one worker process: they explain what that worker held at the time.
-WORKER_FAULTS = frozenset({"kill_worker", "pause_worker", "crash_after_claim", "crash_after_http"})
+WORKER_FAULTS = names_where(lambda k: k.hits == "worker")
 # Faults that hit the queue's database: any result write in their window may have been lost.
-DATABASE_FAULTS = frozenset({"terminate_backends", "restart_postgres", "exhaust_pool"})
+DATABASE_FAULTS = names_where(lambda k: k.hits == "database")
 # Faults that last until they are healed; the others are instants.
-LASTING_FAULTS = frozenset({"pause_worker", "hang_target", "kill_target", "restart_postgres",
-                             "pin_xmin", "exhaust_pool"})
+LASTING_FAULTS = names_where(lambda k: k.lasting)
 # Faults that hit one echo target: a delivery there in their window may have been recorded 2xx
 # while its answer never reached the worker (held past the timeout, or lost with the process).
-TARGET_FAULTS = frozenset({"hang_target", "kill_target"})
-KNOWN_FAULTS = frozenset(WORKER_FAULTS | DATABASE_FAULTS | TARGET_FAULTS | {"pin_xmin"})
+TARGET_FAULTS = names_where(lambda k: k.hits == "target")
+# Faults that stop every worker while they last (`starvation` excuses only these).
+STOP_EVERY_WORKER = names_where(lambda k: k.stops_every_worker)
+KNOWN_FAULTS = frozenset(NAMES)
 
 
 def fault_end(fault: dict[str, Any]) -> float:

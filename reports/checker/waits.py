@@ -16,19 +16,16 @@ import numpy as np
 import pandas as pd
 
 from skiplock.reports.checker.common import floats
-from skiplock.reports.checker.faults import DATABASE_FAULTS, fault_end
+from skiplock.reports.checker.faults import STOP_EVERY_WORKER, fault_end
 
 if TYPE_CHECKING:
     from skiplock.reports.checker.frame import Frame
 
-# Faults that stop every worker at once: the database is gone or refuses every session. Only
-# their windows excuse a job's wait for fairness (a fault that stops one worker leaves the
-# others to serve the job), and a worker paused inside its claim: it holds the locks of the
-# accounts it chose, so no worker can serve those accounts until it goes on.
-STOP_EVERY_WORKER = DATABASE_FAULTS
-
-
 def stops_every_worker(fault: dict[str, object]) -> bool:
+    """Whether a fault stops every worker: the database gone or refusing every session
+    (only such windows excuse a job's wait for fairness; a fault that stops one worker leaves
+    the others to serve the job), or a worker paused inside its claim, which holds the locks
+    of the accounts it chose, so that no worker can serve those accounts until it goes on."""
     return fault["fault"] in STOP_EVERY_WORKER or (
         fault["fault"] == "pause_worker" and fault.get("phase") == "claim")
 
