@@ -19,6 +19,7 @@ property again and again for that many minutes and prints how many examples ran.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -833,6 +834,50 @@ sql_paths = st.one_of(st.sampled_from(["good.sql", "bad.sql", "latin1.sql", "emp
 # Command lines.
 # --------------------------------------------------------------------------------------------
 
+def parser_of(*command: str) -> argparse.ArgumentParser:
+    """The argparse parser of `skiplock COMMAND [SUBCOMMAND]`, as the CLI builds it."""
+    parser: argparse.ArgumentParser = cli.build_parser(only=command[0])
+    for word in command:
+        [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        parser = sub.choices[word]
+    return parser
+
+
+def options_of(parser: argparse.ArgumentParser,
+               special: Mapping[str, st.SearchStrategy[str] | None] | None = None,
+               ) -> dict[str, st.SearchStrategy[str] | None]:
+    """Every long option of `parser`, each with a strategy for its value: `special`'s where
+    it gives one, else one from how the option is declared (a flag takes none; choices,
+    whole numbers, numbers and paths their own, plus garbage). Built from the parser, so a
+    flag added to a command is fuzzed from the start."""
+    special = special or {}
+    unknown = set(special) - {f for a in parser._actions for f in a.option_strings}
+    assert not unknown, f"fuzzed flags the parser does not have: {sorted(unknown)}"
+    options: dict[str, st.SearchStrategy[str] | None] = {}
+    for action in parser._actions:
+        longs = [f for f in action.option_strings if f.startswith("--")]
+        if not longs or isinstance(action, argparse._HelpAction | argparse._VersionAction):
+            continue
+        flag = longs[0]
+        if flag in special:
+            options[flag] = special[flag]
+        elif action.nargs == 0:
+            options[flag] = None
+        elif action.choices is not None:
+            options[flag] = st.one_of(st.sampled_from([str(c) for c in action.choices]),
+                                      garbage)
+        elif action.type is int:
+            options[flag] = int_text
+        elif action.type is float:
+            options[flag] = number_text
+        elif action.type is Path:
+            options[flag] = paths
+        else:
+            options[flag] = garbage
+    return options
+
+
+
 def _flags(draw: st.DrawFn, options: Mapping[str, st.SearchStrategy[str] | None],
            max_size: int = 6) -> list[str]:
     words: list[str] = []
@@ -866,16 +911,15 @@ redis_urls = st.one_of(garbage, st.sampled_from(
     ["redis://127.0.0.1:1/0", "redis://:pw@127.0.0.1:1/0", "http://x", "", "redis://[::1"]))
 
 
-def _scenario_options() -> dict[str, st.SearchStrategy[str] | None]:
-    return {
+def _scenario_options(parser: argparse.ArgumentParser
+                      ) -> dict[str, st.SearchStrategy[str] | None]:
+    """The values worth more than their type for `run` and `demo` (those it has)."""
+    special: dict[str, st.SearchStrategy[str] | None] = {
         "--backend": backends, "--redis-url": redis_urls, "--seed": int_text, "--out": paths,
-        "--dsn": dsns,
-        "--sql": sql_paths, "--schema": garbage, "--no-recovery": None,
-        "--duration": number_text, "--warmup": number_text, "--drain-timeout": number_text,
-        "--workers": int_text, "--rate": number_text, "--producers": int_text,
-        "--batch": int_text, "--distributed": None, "--nemesis": _NEMESIS_LIST,
-        "--set": set_items,
+        "--dsn": dsns, "--sql": sql_paths, "--nemesis": _NEMESIS_LIST, "--set": set_items,
     }
+    flags = {f for a in parser._actions for f in a.option_strings}
+    return {flag: strategy for flag, strategy in special.items() if flag in flags}
 
 
 scenario_args = st.one_of(st.sampled_from(available()), st.sampled_from(
@@ -893,9 +937,7 @@ class Line:
 
 @st.composite
 def run_lines(draw: st.DrawFn, command: str) -> Line:
-    options = _scenario_options()
-    if command == "run":
-        options |= {"--quiet": None, "--json": None}
+    options = options_of(parser_of(command), _scenario_options(parser_of(command)))
     words = [command]
     if command == "run" or draw(st.booleans()):
         words.append(draw(scenario_args))
@@ -915,45 +957,41 @@ def closed_port_last(draw: st.DrawFn, words: list[str]) -> list[str]:
 
 @st.composite
 def gate_lines(draw: st.DrawFn) -> Line:
-    words = ["gate", *_flags(draw, {
+    words = ["gate", *_flags(draw, options_of(parser_of("gate"), {
         "--backend": backends, "--sql": sql_paths, "--dsn": dsns, "--seed": int_text,
         "--seeds": st.one_of(int_text, st.sampled_from(["1000000000000", "1001", "1000"])),
         "--only": st.one_of(st.lists(st.one_of(
             st.sampled_from(available()), garbage), max_size=3).map(",".join), paths,
             st.sampled_from(["", ",", " , "])),
-        "--no-recovery": None, "--set": set_items, "--out": paths,
-    })]
+        "--set": set_items, "--out": paths,
+    }))]
     words += closed_port_last(draw, words)
     return Line(words)
 
 
 @st.composite
 def worker_lines(draw: st.DrawFn) -> Line:
-    words = ["worker", *_flags(draw, {
-        "--dsn": dsns, "--workers": int_text, "--batch": int_text, "--lease": number_text,
-        "--http-timeout": number_text, "--write-margin": number_text, "--poll": number_text,
-        "--backend": backends, "--schema": garbage, "--sql": sql_paths,
+    words = ["worker", *_flags(draw, options_of(parser_of("worker"), {
+        "--dsn": dsns, "--backend": backends, "--sql": sql_paths,
         "--allow-target": st.one_of(st.sampled_from(
             ["127.0.0.1:8080", "[::1]:80", "[x]:1", "host:0", "a:99999", ":80", "a:b",
              "127.0.0.1:٣"]), garbage),
-        "--events-dir": paths, "--seed": int_text, "--no-recovery": None, "--no-renew": None,
-        "--unsafe-timing": None,
+        "--events-dir": paths,
         "--failpoint": st.one_of(st.builds(lambda n, p: f"{n}={p}", st.one_of(
             st.sampled_from(FAILPOINT_NAMES), garbage), number_text), garbage),
-    }, max_size=8)]
+    }), max_size=8)]
     words += closed_port_last(draw, words)
     return Line(words)
 
 
 @st.composite
 def target_lines(draw: st.DrawFn) -> Line:
-    words = ["target", *_flags(draw, {
+    words = ["target", *_flags(draw, options_of(parser_of("target"), {
         "--host": st.one_of(st.sampled_from(["127.0.0.1", "::1", "localhost", "0.0.0.0",
                                              "10.0.0.1", "example.com", "::", "127.1",
                                              "[::1]", "::ffff:127.0.0.1", ""]), garbage),
         "--port": int_text, "--name": st.one_of(names, garbage), "--out": paths,
-        "--hang-cap": number_text,
-    })]
+    }))]
     return Line(words, allowed={2, 0})
 
 
@@ -973,41 +1011,30 @@ def bench_lines(draw: st.DrawFn) -> Line:
     words = ["bench"] + ([which] if which else [])
     allowed = {2}
     if which == "queue":
-        words += _flags(draw, {"--workers": int_text, "--batch": int_text,
-                               "--duration": number_text, "--prefill": int_text,
-                               "--against": st.sampled_from(["pgqueuer", "bullmq", "nope"]),
-                               "--durability": st.sampled_from(["fsync", "relaxed", "x"]),
-                               "--redis-url": redis_urls, "--dsn": dsns, "--out": paths})
+        words += _flags(draw, options_of(parser_of("bench", "queue"), {
+            "--redis-url": redis_urls, "--dsn": dsns, "--out": paths}))
     elif which == "e2e":
-        words += _flags(draw, {"--workers": int_text, "--batch": int_text,
-                               "--duration": number_text, "--prefill": int_text,
-                               "--against": st.sampled_from(["bullmq", "nope"]),
-                               "--durability": st.sampled_from(["fsync", "relaxed", "x"]),
-                               "--redis-url": redis_urls, "--dsn": dsns, "--out": paths})
-        if draw(st.booleans()):
-            words.append("--barrier")
+        words += _flags(draw, options_of(parser_of("bench", "e2e"), {
+            "--redis-url": redis_urls, "--dsn": dsns, "--out": paths}))
     elif which == "claim":
-        words += _flags(draw, {"--backlogs": st.one_of(garbage, st.sampled_from(
-                                   ["10,100", "0", "1,x", "-5", "99999999999"])),
-                               "--batch": int_text, "--repeat": int_text,
-                               "--sql": paths, "--dsn": dsns, "--out": paths})
+        words += _flags(draw, options_of(parser_of("bench", "claim"), {
+            "--backlogs": st.one_of(garbage, st.sampled_from(
+                ["10,100", "0", "1,x", "-5", "99999999999"])),
+            "--sql": paths, "--dsn": dsns, "--out": paths}))
     elif which == "checker":
         # A small history first (the default is a million deliveries); the flags may
         # override it with a hostile count.
         words += ["--deliveries", str(draw(st.integers(1, 40)))]
-        words += _flags(draw, {"--deliveries": int_text.filter(_small_or_refused),
-                               "--out": paths, "--keep": paths, "--seed": int_text})
+        words += _flags(draw, options_of(parser_of("bench", "checker"), {
+            "--deliveries": int_text.filter(_small_or_refused), "--out": paths,
+            "--keep": paths}))
         allowed = {0, 2}  # a synthetic correct history: valid, never 1
     elif which == "target":
-        words += _flags(draw, {"--duration": number_text, "--concurrency": int_text,
-                               "--load-processes": int_text, "--warmup": number_text,
-                               "--out": paths})
+        words += _flags(draw, options_of(parser_of("bench", "target"), {"--out": paths}))
         allowed = {0, 2}
     elif which == "recovery":
-        words += _flags(draw, {"--kinds": _NEMESIS_LIST, "--rate": number_text,
-                               "--workers": int_text, "--duration": number_text,
-                               "--fault-at": number_text, "--seed": int_text, "--dsn": dsns,
-                               "--out": paths, "--runs": paths})
+        words += _flags(draw, options_of(parser_of("bench", "recovery"), {
+            "--kinds": _NEMESIS_LIST, "--dsn": dsns, "--out": paths, "--runs": paths}))
     if which in ("queue", "recovery", "e2e", "claim"):
         words += closed_port_last(draw, words)
     return Line(words, allowed=allowed)
@@ -1016,12 +1043,11 @@ def bench_lines(draw: st.DrawFn) -> Line:
 @st.composite
 def sweep_lines(draw: st.DrawFn) -> Line:
     words = ["sweep", *draw(st.lists(st.one_of(names, garbage), max_size=1))]
-    words += _flags(draw, {"--rates": st.one_of(garbage, number_text, st.sampled_from(
-                               ["10,20", "20,10", "0", "1,,2", "nan"])),
-                           "--step": number_text, "--p99": number_text, "--seed": int_text,
-                           "--set": st.one_of(garbage, st.sampled_from(
-                               ["workers=2", "nope=1", "rate=x"])),
-                           "--dsn": dsns, "--out": paths})
+    words += _flags(draw, options_of(parser_of("sweep"), {
+        "--rates": st.one_of(garbage, number_text, st.sampled_from(
+            ["10,20", "20,10", "0", "1,,2", "nan"])),
+        "--set": st.one_of(garbage, st.sampled_from(["workers=2", "nope=1", "rate=x"])),
+        "--dsn": dsns, "--out": paths}))
     words += closed_port_last(draw, words)
     return Line(words, allowed={2})
 
@@ -1030,7 +1056,8 @@ def sweep_lines(draw: st.DrawFn) -> Line:
 def compare_lines(draw: st.DrawFn) -> Line:
     files = draw(st.lists(st.one_of(st.sampled_from(sorted(_RESULTS)), paths, garbage),
                           max_size=3))
-    words = ["compare", *files, *_flags(draw, {"--threshold": number_text, "--strict": None})]
+    words = ["compare", *files, *_flags(draw, options_of(parser_of("compare"),
+                                                         {"--threshold": number_text}))]
     # Two readable results of different settings pass with a warning (0), or --strict
     # refuses them (2); a regression (1) cannot arise: their figures are equal.
     return Line(words, allowed={0, 2})
@@ -1038,12 +1065,11 @@ def compare_lines(draw: st.DrawFn) -> Line:
 
 @st.composite
 def plans_lines(draw: st.DrawFn) -> Line:
-    words = ["plans", *_flags(draw, {
+    words = ["plans", *_flags(draw, options_of(parser_of("plans"), {
         "--sizes": st.one_of(garbage, st.sampled_from(
             ["10k,100k", "1m", "0", "1,x", "-5", "10k,10k", "99999999999999", "100m",
              "10k,100m"])),
-        "--batch": int_text, "--repeat": int_text, "--sql": paths, "--dsn": dsns,
-        "--out": paths, "--yes": None})]
+        "--sql": paths, "--dsn": dsns, "--out": paths}))]
     words += closed_port_last(draw, words)
     return Line(words, allowed={2})
 
@@ -1051,14 +1077,19 @@ def plans_lines(draw: st.DrawFn) -> Line:
 @st.composite
 def report_lines(draw: st.DrawFn) -> Line:
     dirs = draw(st.lists(st.one_of(st.just("run"), paths), min_size=0, max_size=2))
-    return Line(["report", *dirs, *_flags(draw, {"--out": paths})], allowed={0, 2})
+    return Line(["report", *dirs, *_flags(draw, options_of(parser_of("report"),
+                                                          {"--out": paths}))],
+                allowed={0, 2})
 
 
 @st.composite
 def check_lines(draw: st.DrawFn) -> Line:
     dirs = draw(st.lists(st.one_of(st.just("run"), paths), min_size=0, max_size=3))
-    words = ["check", *dirs, *_flags(draw, {"--tolerance": number_text,
-                                            "--examples": int_text})]
+    words = ["check", *dirs, *_flags(draw, options_of(parser_of("check"), {
+        "--tolerance": number_text, "--examples": int_text,
+        "--set": st.one_of(garbage, st.sampled_from(
+            ["objectives.first_delivery_p99=0.5", "objectives.nope=1", "rate=2",
+             "objectives.account.x.oldest_due_age=nan", "objectives.delivered_ratio=2"]))}))]
     return Line(words, allowed={0, 2, 3})
 
 
