@@ -66,11 +66,14 @@ from skiplock.queue_impl.interface import (
     LEASE_HEADER,
     WORKER_HEADER,
     AttemptResult,
+    ClaimCommitHook,
     ConfirmsReceipt,
+    HoldsClaims,
     Lease,
     Outcome,
     QueueBackend,
     RunsOwnWorker,
+    ThrottledNotify,
     WriteResult,
 )
 from skiplock.queue_impl.retry import RetryPolicy, classify_status
@@ -518,7 +521,7 @@ class Dispatcher:
         # Held around each renewal and each result write: a renewal never runs alongside the
         # write of a lease it renews (it would find the lease gone and call it lost).
         self._lease_io = asyncio.Lock()
-        if config.failpoint_file is not None and hasattr(backend, "claim_commit_hook"):
+        if config.failpoint_file is not None and isinstance(backend, ClaimCommitHook):
             backend.claim_commit_hook = self._stall_in_claim
 
     # -- events ----------------------------------------------------------------------------
@@ -550,7 +553,8 @@ class Dispatcher:
         self.emit("start", pid=os.getpid())
         try:
             async with self._deliverer:
-                if self.config.refill and not getattr(self.backend, "holds_claims", False):
+                holds = isinstance(self.backend, HoldsClaims) and self.backend.holds_claims
+                if self.config.refill and not holds:
                     await self._refill_loop()
                 else:
                     await self._barrier_loop()
@@ -774,7 +778,8 @@ class Dispatcher:
         the NOTIFY of enqueues closer together than its `notify_interval` gets one more claim
         that long after each wake-up, so those jobs wait at most the interval."""
         timeout = self.config.poll_seconds
-        interval = float(getattr(self.backend, "notify_interval", 0.0) or 0.0)
+        interval = (float(self.backend.notify_interval)
+                    if isinstance(self.backend, ThrottledNotify) else 0.0)
         if self._woken_at is not None:
             timeout = min(timeout, max(0.0, self._woken_at + interval + _RECHECK_SLACK
                                        - time.monotonic()))

@@ -11,7 +11,7 @@ for PostgreSQL, so that every worker agrees); tests pin that clock instead of sl
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import Enum
@@ -185,6 +185,37 @@ def guarantees_of(queue: object) -> Guarantees:
     """The promises `queue` declares: its `guarantees` attribute, else the reference's."""
     found = getattr(queue, "guarantees", None)
     return found if isinstance(found, Guarantees) else REFERENCE_GUARANTEES
+
+
+# -- optional capabilities: a backend has one by having the attribute; the dispatcher asks
+# with isinstance, never by name. (docs/guides/writing-a-plugin.md lists them.)
+
+
+@runtime_checkable
+class HoldsClaims(Protocol):
+    """A queue whose claim may stay uncommitted until its results are written (pg-long-tx):
+    when `holds_claims` is true the dispatcher claims a batch only once the previous one is
+    written (a claim sent meanwhile would join the open transaction)."""
+
+    @property
+    def holds_claims(self) -> bool: ...
+
+
+@runtime_checkable
+class ThrottledNotify(Protocol):
+    """A queue that skips the NOTIFY of enqueues closer together than `notify_interval`
+    seconds: a woken worker claims once more that long after each wake-up."""
+
+    @property
+    def notify_interval(self) -> float: ...
+
+
+@runtime_checkable
+class ClaimCommitHook(Protocol):
+    """A queue whose claim calls `claim_commit_hook` (when set) after its statements and
+    before its COMMIT: where the `pause_worker` fault with `phase = "claim"` stalls it."""
+
+    claim_commit_hook: Callable[[], None] | None
 
 
 @runtime_checkable

@@ -232,3 +232,24 @@ def test_worker_command_takes_back_the_events_dir_it_made_when_the_database_fail
     assert "127.0.0.1" in err and "--events-dir" not in err  # the database's error, one line
     assert err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_optional_capabilities_are_declared_protocols_not_names() -> None:
+    """The dispatcher asks a backend for an optional capability with isinstance against a
+    Protocol of queue_impl/interface.py, never with getattr or hasattr on a name."""
+    from pathlib import Path
+
+    from skiplock.queue_impl.interface import ClaimCommitHook, HoldsClaims, ThrottledNotify
+    from skiplock.queue_impl.memory import InMemoryQueue
+    from skiplock.queue_impl.pg import PgQueue
+
+    long_tx = PgQueue("postgresql://127.0.0.1:1/x", variant="pg-long-tx")
+    reference = PgQueue("postgresql://127.0.0.1:1/x")
+    assert isinstance(long_tx, HoldsClaims) and long_tx.holds_claims
+    assert isinstance(reference, HoldsClaims) and not reference.holds_claims
+    assert isinstance(reference, ThrottledNotify) and reference.notify_interval > 0
+    assert isinstance(reference, ClaimCommitHook)
+    memory = InMemoryQueue()
+    assert not isinstance(memory, HoldsClaims | ThrottledNotify | ClaimCommitHook)
+    source = (Path(__file__).resolve().parents[2] / "queue_impl" / "dispatcher.py").read_text()
+    assert "getattr(self.backend" not in source and "hasattr(backend" not in source
