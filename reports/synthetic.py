@@ -215,7 +215,8 @@ class RunBuilder:
         worker made of the call, for a worker that gets it wrong ("ok": it took the answer
         whenever it came). `pick` tells apart two picks the queue gave one attempt number
         (their lease tokens differ). `sent`: when the claim was sent (a slow claim's, before
-        `claimed`). Returns the time the write was logged."""
+        `claimed`; by default `claimed`, as a fast claim's). Returns the time the write was
+        logged."""
         lease_seconds = float(self.run_info["lease_seconds"])
         timeout = float(self.run_info["http_timeout_seconds"])
         lease = Lease(
@@ -226,7 +227,8 @@ class RunBuilder:
             locked_until=datetime.fromtimestamp(claimed + lease_seconds, UTC),
             worker_id=worker,
         )
-        self._event(worker, claimed, job_id, "claim", claim_event(lease, started=sent))
+        self._event(worker, claimed, job_id, "claim",
+                    claim_event(lease, started=claimed if sent is None else sent))
         received = claimed + 0.001
         got = received + latency if answered else None
         self.deliver(job_id, attempt=attempt, received=received, answered=got, status=status,

@@ -5,7 +5,8 @@ these; nothing here decides an anomaly.
 
 A fault's window runs from its start to its end plus one lease: a job held by a worker that
 was killed, or whose claim was lost with its connection, is handed on only when that lease
-has run out, so the wait it causes ends up to a lease after the fault."""
+has run out, so the wait it causes ends up to a lease after the fault. A worker's crash
+failpoint (`[failpoints]`, recorded in its event log) opens such a window too."""
 
 from __future__ import annotations
 
@@ -83,8 +84,13 @@ def waits(f: Frame) -> Waits:
                                 first_or_end)
     sent_or_end = np.minimum(np.where(np.isfinite(sent[job]), sent[job], end), first_or_end)
     lease = h.config.lease_seconds
+    # A worker's own failpoint (a crash scheduled by [failpoints]) is a fault too: what it
+    # held waits out its lease.
+    ev = h.events
+    crashes = ev[ev["kind"] == "failpoint"]["time"].to_numpy()
     windows = _merged([(float(x["start"]), fault_end(x) + lease) for x in h.faults
-                       if not x.get("skipped")])
+                       if not x.get("skipped")]
+                      + [(float(t), float(t) + lease) for t in crashes.tolist()])
     stops = _merged([(float(x["start"]), fault_end(x) + lease) for x in h.faults
                      if not x.get("skipped") and stops_every_worker(x)])
     return Waits(job=job, account=h.job_account[job], due=due[job], claimed=claimed_or_end,
@@ -125,17 +131,18 @@ def covered_seconds(windows: np.ndarray, start: float, stop: float) -> float:
 
 @dataclass(frozen=True)
 class Held:
-    """One account's leases over time, as the queue counts them: `count[i]` were held from
-    `times[i]` to the next time."""
+    """One account's leases as the queue counts them: each from `starts[i]` to `ends[i]`
+    (both sorted on their own)."""
 
-    times: np.ndarray
-    count: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
 
-    def most_within(self, start: float, stop: float) -> int:
-        """The most held at any moment of [start, stop]."""
-        lo = max(int(np.searchsorted(self.times, start, side="right")) - 1, 0)
-        hi = int(np.searchsorted(self.times, stop, side="right"))
-        return int(self.count[lo:hi].max(initial=0))
+    def overlapping(self, start: float, stop: float) -> int:
+        """How many were held at some moment of [start, stop]: a claim's view of its
+        account's slots is a snapshot taken somewhere in between, so a lease written back
+        after the claim was sent may still fill a slot for it."""
+        return int(np.searchsorted(self.starts, stop, side="right")
+                   - np.searchsorted(self.ends, start, side="right"))
 
 
 def slots_held(f: Frame, account: str) -> Held:
@@ -147,7 +154,7 @@ def slots_held(f: Frame, account: str) -> Held:
     ev = ev[ev["job"].isin(mine)]
     claims = ev[ev["kind"] == "claim"]
     if not len(claims):
-        return Held(np.zeros(0), np.zeros(0, dtype=np.int64))
+        return Held(np.zeros(0), np.zeros(0))
     key = ["job", "attempt"]
     start = claims.groupby(key, sort=False)["time"].min().rename("start")
     # A write whose outcome is unknown may not have freed the slot: its lease then holds it.
@@ -157,9 +164,4 @@ def slots_held(f: Frame, account: str) -> Held:
     table = pd.concat([start, done.rename("done"), last.rename("last")], axis=1)
     table = table[table["start"].notna()]
     ends = np.fmin(table["done"].to_numpy(), table["last"].to_numpy() + h.config.lease_seconds)
-    times = np.concatenate([table["start"].to_numpy(), ends])
-    delta = np.concatenate([np.ones(len(table), dtype=np.int64),
-                            -np.ones(len(table), dtype=np.int64)])
-    # Ends first at one instant: a slot freed and taken again is not two held.
-    order = np.lexsort((delta, times))
-    return Held(times[order], np.cumsum(delta[order]))
+    return Held(np.sort(table["start"].to_numpy()), np.sort(ends))

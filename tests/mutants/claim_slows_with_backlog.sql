@@ -5,7 +5,7 @@
 -- nothing to wait for (no limit, no backlog of its own) take seconds to be delivered instead
 -- of a tenth of one, which the scenario's latency objective sees. The slow claim also holds
 -- the limited accounts' locks while it sleeps, so other claimers pass those accounts over
--- and take later jobs of others: starvation shows too.
+-- and take later jobs of others: on some seeds starvation shows too.
 -- expect: objective_missed
 -- scenario: noisy-neighbour
 -- set: drain_timeout=10

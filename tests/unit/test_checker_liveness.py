@@ -145,11 +145,12 @@ def test_a_queue_that_promises_no_fairness_is_not_judged(tmp_path: Path) -> None
 
 
 def waits_of(b: RunBuilder, seconds: list[float], *, account: str = "acct-a",
-             start: float = 100.0) -> None:
-    """One job per second from `start`, each delivered `seconds[i]` after it was due."""
+             start: float = 100.0, every: float = 1.0) -> None:
+    """One job each `every` seconds from `start`, each delivered `seconds[i]` after it was
+    due."""
     for i, wait in enumerate(seconds):
-        served(b, f"{account}-{i}", due=start + i, claimed=start + i + wait - 0.001,
-               account=account)
+        served(b, f"{account}-{i}", due=start + i * every,
+               claimed=start + i * every + wait - 0.001, account=account)
 
 
 def test_a_latency_objective_missed_says_the_value_the_bound_and_the_window(
@@ -206,14 +207,19 @@ def test_waits_a_fault_covers_are_judged_apart(tmp_path: Path) -> None:
 
 
 def test_delivered_ratio_over_the_load(tmp_path: Path) -> None:
-    # Ten jobs due over the load (100 to 110), five delivered before it ended.
-    b = RunBuilder(objectives={"delivered_ratio": 0.9}, load_window=(100.0, 110.0),
+    # Forty jobs due over the load (100 to 120), twenty delivered before it ended.
+    b = RunBuilder(objectives={"delivered_ratio": 0.9}, load_window=(100.0, 120.0),
                    account_limits={"acct-a": None})
-    waits_of(b, [0.1] * 5 + [20.0] * 5)
+    waits_of(b, [0.1] * 20 + [30.0] * 20, every=0.5)
     verdict = check(b, tmp_path)
     [example] = verdict.examples["objective_missed"]
     assert example["evidence"]["measured"] == pytest.approx(0.5)
     assert "objective at least 0.900" in example["why"]
+    # Over a moment, a ratio is its edges: not judged.
+    b = RunBuilder(objectives={"delivered_ratio": 0.9}, load_window=(100.0, 101.0),
+                   account_limits={"acct-a": None})
+    waits_of(b, [0.1] * 20 + [30.0] * 20, every=0.05)
+    assert check(b, tmp_path / "short").counts["objective_missed"] == 0
 
 
 def test_check_can_judge_a_stored_run_against_another_objective(tmp_path: Path) -> None:
@@ -233,7 +239,9 @@ def test_fault_windows_and_held_slots() -> None:
     got = overlaps(windows, np.array([0.0, 2.5, 4.0, 6.5, 0.0]),
                    np.array([0.5, 3.0, 5.0, 7.0, 9.0]))
     assert got.tolist() == [False, False, True, False, True]
-    held = Held(np.array([1.0, 2.0, 3.0]), np.array([1, 2, 1]))
-    assert held.most_within(0.0, 0.5) == 0
-    assert held.most_within(1.5, 2.5) == 2
-    assert held.most_within(3.5, 9.0) == 1
+    held = Held(np.array([1.0, 2.0]), np.array([3.0, 4.0]))  # [1, 3] and [2, 4]
+    assert held.overlapping(0.0, 0.5) == 0
+    assert held.overlapping(1.5, 1.6) == 1
+    assert held.overlapping(2.5, 2.6) == 2
+    assert held.overlapping(3.5, 9.0) == 1
+    assert held.overlapping(4.5, 9.0) == 0

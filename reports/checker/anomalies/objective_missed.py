@@ -7,7 +7,7 @@ Jobs whose wait a fault's window covers are judged apart, against `[objectives.d
 when it is given (and not at all otherwise, which the verdict's details say), so a gate can
 demand a fast recovery without failing on the fault itself. `delivered_ratio` compares first
 deliveries with jobs that became due over the load's stretches no fault covers (over the
-stretches faults cover, for `during_faults`)."""
+stretches faults cover, for `during_faults`), when they last 2 s and hold 20 jobs at least."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from skiplock.reports.checker.waits import Waits
 from skiplock.reports.objectives import BY_KEY, METRICS
 
 ALL = "all accounts"
+RATIO_SECONDS = 2.0
+RATIO_JOBS = 20
 
 
 def find(f: Frame, e: Explained) -> Iterator[Example]:
@@ -80,11 +82,15 @@ def _ratio(f: Frame, w: Waits, scope: np.ndarray, during: bool
     if not spans:
         return None
     # Whether or not a fault covers a job's wait, the stretches decide which count.
+    # A ratio over a moment is its edges: jobs due just before its end are delivered after
+    # it. Judged over at least RATIO_SECONDS of stretches and RATIO_JOBS jobs.
+    if sum(hi - lo for lo, hi in spans) < RATIO_SECONDS:
+        return None
     offered = delivered = 0
     for lo, hi in spans:
         offered += int((scope & (w.due >= lo) & (w.due < hi)).sum())
         delivered += int((scope & w.delivered & (w.first >= lo) & (w.first < hi)).sum())
-    if not offered:
+    if offered < RATIO_JOBS:
         return None
     idx = np.flatnonzero(scope)
     worst = f.job_id(int(w.job[idx[np.argmax(w.wait[idx])]])) if len(idx) else ""

@@ -1,6 +1,7 @@
 """`starvation`: a due job waited longer than the bound (`[objectives] starvation_wait`, else
 two leases) while the queue claimed jobs of other accounts that became due after it, at
-moments its own account had had a free slot for a second (or has no limit). A queue that
+moments its own account had a free slot, in that claim's view and for a second before (or
+has no limit). A queue that
 serves jobs in the order they became due, within each account's limit, never does this; one
 that serves one account first, or cannot see past a flooding account's backlog, does.
 
@@ -43,7 +44,7 @@ def find(f: Frame, e: Explained) -> Iterator[Example]:
         return
     order = np.argsort(w.claimed, kind="stable")
     c_time, c_due, c_account = w.claimed[order], w.due[order], w.account[order]
-    c_job = w.job[order]
+    c_job, c_sent = w.job[order], w.claim_sent[order]
     limits = f.cfg.account_limits
     held: dict[str, Held] = {}
     for i in long_waits.tolist():
@@ -58,8 +59,14 @@ def find(f: Frame, e: Explained) -> Iterator[Example]:
         if limit is not None:
             if account not in held:
                 held[account] = slots_held(f, str(account))
+            # Free in the claim's own view, and for a second before it: fewer leases held
+            # at any moment from a second before it was sent (its snapshot may predate
+            # writes that freed slots since) to just after it returned (jobs of this
+            # account it took beside the other one fill slots as it returns).
             slots = held[account]
-            at = at[[slots.most_within(t - FREE_FOR, t) < limit for t in c_time[at].tolist()]]
+            at = at[[slots.overlapping(sent - FREE_FOR, took + tol) < limit
+                     for sent, took in zip(c_sent[at].tolist(), c_time[at].tolist(),
+                                           strict=True)]]
         if len(w.stop_windows):
             waited = np.array([t - due - covered_seconds(w.stop_windows, due, t)
                                for t in c_time[at].tolist()])
