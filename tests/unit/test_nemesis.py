@@ -3,6 +3,7 @@ recording every fault with its window (pure logic: a fake context, no processes)
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from skiplock.chaos import nemesis
+from skiplock.chaos import nemesis, nemesis_worker
 from skiplock.chaos.nemesis import (
     HeldLease,
     NemesisError,
@@ -157,9 +158,11 @@ def test_every_shipped_scenario_loads_and_its_faults_fit_its_load() -> None:
 
 @dataclass(eq=False)
 class FakeContext:
+    """Lease holders, the attempts they hold (a test may change them under `lock` as time
+    passes), and the signals and failpoints sent."""
+
     holders: list[str] = field(default_factory=lambda: ["worker-1"])
-    # worker -> (job id, attempt) -> claimed at, for leases_held (holders when empty)
-    held: dict[str, dict[tuple[str, int], float]] = field(default_factory=dict)
+    held: list[HeldLease] = field(default_factory=list)
     signals: list[tuple[str, int]] = field(default_factory=list)
     failpoints: list[tuple[str, float]] = field(default_factory=list)
     run_dir: Path = Path("/nonexistent")
@@ -169,6 +172,7 @@ class FakeContext:
     server_owned: bool = True
     lease_seconds: float = 4.0
     http_timeout_seconds: float = 1.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def restart_server(self) -> None:
         raise AssertionError("not in this test")
@@ -183,15 +187,21 @@ class FakeContext:
         return list(self.holders)
 
     def leases_held(self) -> list[HeldLease]:
-        # A killed worker's process lingers for a moment: it still shows here.
-        return [HeldLease(worker=w, job_id=job, attempt=attempt, claimed_at=at)
-                for w, leases in self.held.items() for (job, attempt), at in leases.items()]
+        # A killed worker's process lingers for a moment: its leases still show here.
+        with self.lock:
+            return list(self.held)
 
     def signal_worker(self, worker_id: str, signum: int) -> None:
         self.signals.append((worker_id, signum))
 
     def set_failpoint(self, name: str, probability: float) -> None:
         self.failpoints.append((name, probability))
+
+
+def held(worker: str, job: str, attempt: int, claimed_at: float,
+         answered: bool = False) -> HeldLease:
+    return HeldLease(worker=worker, job_id=job, attempt=attempt, claimed_at=claimed_at,
+                     answered=answered)
 
 
 def run_schedule(faults: list[PlannedFault], ctx: FakeContext,
@@ -216,8 +226,6 @@ def fault(kind: str, at: float = 0.0, duration: float = 0.0) -> PlannedFault:
 
 
 def test_a_pause_is_healed_when_the_load_ends_and_recorded_with_its_window() -> None:
-    import signal
-
     ctx = FakeContext()
     before = time.time()
     [event] = run_schedule([fault("pause_worker", duration=30.0)], ctx, stop_after=0.2)
@@ -228,8 +236,6 @@ def test_a_pause_is_healed_when_the_load_ends_and_recorded_with_its_window() -> 
 
 def test_a_firing_with_no_lease_holder_is_recorded_as_skipped(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from skiplock.chaos import nemesis_worker
-
     monkeypatch.setattr(nemesis_worker, "HOLDER_WAIT_SECONDS", 0.05)
     ctx = FakeContext(holders=[])
     [event] = run_schedule([fault("kill_worker")], ctx, stop_after=0.3)
@@ -320,16 +326,14 @@ def aimed_kill(at: float = 0.0) -> PlannedFault:
 
 def test_an_aimed_kill_hits_only_a_worker_in_a_last_attempt_and_names_it(
         tmp_path: Path) -> None:
-    import signal
-
     scripts = spec_mod.load("faulty-targets").scripts()
     _enqueue_log(tmp_path, {"hang": scripts["always_hang"], "ok": scripts["succeed"]})
     long_ago = time.time() - 5.0
-    ctx = FakeContext(run_dir=tmp_path, holders=["w-1", "w-2", "w-3"], held={
-        "w-1": {("ok", 3): long_ago},
-        "w-2": {("hang", 3): long_ago, ("ok", 1): long_ago},
-        "w-3": {("hang", 2): long_ago},
-    })
+    ctx = FakeContext(run_dir=tmp_path, holders=["w-1", "w-2", "w-3"], held=[
+        held("w-1", "ok", 3, long_ago),
+        held("w-2", "hang", 3, long_ago), held("w-2", "ok", 1, long_ago),
+        held("w-3", "hang", 2, long_ago),
+    ])
     [event] = run_schedule([aimed_kill()], ctx, stop_after=0.3)
     assert ctx.signals == [("w-2", signal.SIGKILL)]
     assert event.fault == "kill_worker" and event.target == "w-2" and event.skipped is None
@@ -339,10 +343,6 @@ def test_an_aimed_kill_hits_only_a_worker_in_a_last_attempt_and_names_it(
 
 def test_aimed_kills_wait_for_a_last_attempt_and_never_kill_one_worker_twice(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import signal
-
-    from skiplock.chaos import nemesis_worker
-
     monkeypatch.setattr(nemesis_worker, "AIM_WAIT_SECONDS", 0.8)
     scripts = spec_mod.load("faulty-targets").scripts()
     _enqueue_log(tmp_path, {"hang": scripts["always_hang"]})
@@ -350,7 +350,8 @@ def test_aimed_kills_wait_for_a_last_attempt_and_never_kill_one_worker_twice(
 
     def claim_later() -> None:
         time.sleep(0.3)
-        ctx.held["w-1"] = {("hang", 3): time.time() - 1.0}
+        with ctx.lock:
+            ctx.held = [held("w-1", "hang", 3, time.time() - 1.0)]
 
     threading.Thread(target=claim_later, daemon=True).start()
     started = time.time()
@@ -366,12 +367,10 @@ def test_aimed_kills_wait_for_a_last_attempt_and_never_kill_one_worker_twice(
 
 def test_an_aimed_kill_that_finds_no_last_attempt_is_skipped_with_its_aim(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from skiplock.chaos import nemesis_worker
-
     monkeypatch.setattr(nemesis_worker, "AIM_WAIT_SECONDS", 0.05)
     scripts = spec_mod.load("faulty-targets").scripts()
     _enqueue_log(tmp_path, {"hang": scripts["always_hang"]})
-    ctx = FakeContext(run_dir=tmp_path, held={"w-1": {("hang", 3): time.time()}})
+    ctx = FakeContext(run_dir=tmp_path, held=[held("w-1", "hang", 3, time.time())])
     [event] = run_schedule([aimed_kill()], ctx, stop_after=0.4)
     assert event.skipped is not None and "last attempt" in event.skipped
     assert event.data == {"aim": "last_attempt"} and ctx.signals == []
@@ -383,3 +382,92 @@ def test_a_scenario_with_a_bad_aim_is_refused_in_one_line(tmp_path: Path) -> Non
     with pytest.raises(spec_mod.SpecError, match=r"^nemesis kill_worker: aim must be one of "
                        r"'any', 'last_attempt' \(got 'first'\)$"):
         spec_mod.load(str(path))
+
+
+# --- aimed pauses (until = "reclaimed"), on the fake context --------------------------
+
+
+def aimed(at: float = 0.0, duration: float = 30.0, seed: int = 1) -> PlannedFault:
+    return PlannedFault(kind="pause_worker", at=at, duration=duration, count=1,
+                        probability=1.0, external="refuse", seed=seed, until="reclaimed")
+
+
+def start(faults: list[PlannedFault], ctx: FakeContext) -> tuple[ScheduledNemesis,
+                                                                   list[FaultEvent]]:
+    events: list[FaultEvent] = []
+    lock = threading.Lock()
+
+    def record(event: FaultEvent) -> None:
+        with lock:
+            events.append(event)
+
+    scheduled = ScheduledNemesis(faults, record)
+    scheduled.start(ctx, time.time())
+    return scheduled, events
+
+
+def wait_for(condition: Any, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_an_aimed_pause_ends_when_a_reclaim_of_its_job_has_run_long_enough() -> None:
+    ctx = FakeContext(holders=["w0"], held=[held("w0", "j1", 1, time.time())])
+    scheduled, events = start([aimed()], ctx)
+    try:
+        wait_for(lambda: ctx.signals == [("w0", signal.SIGSTOP)])
+        time.sleep(0.2)
+        assert events == []  # nothing re-claimed yet: still paused
+        reclaimed_at = time.time()
+        with ctx.lock:
+            ctx.held = [held("w0", "j1", 1, 0.0), held("w1", "j1", 2, reclaimed_at)]
+        wait_for(lambda: len(events) == 1)
+    finally:
+        scheduled.stop()
+    [event] = events
+    assert ctx.signals == [("w0", signal.SIGSTOP), ("w0", signal.SIGCONT)]
+    assert event.end is not None
+    assert reclaimed_at + nemesis_worker.RECLAIM_MIN_AGE_SECONDS <= event.end < reclaimed_at + 2
+    assert event.data["resumed"] == "reclaimed"
+    assert (event.data["reclaimed_job"], event.data["reclaimed_by"],
+            event.data["reclaimed_attempt"]) == ("j1", "w1", 2)
+
+
+def test_an_aimed_pause_with_no_reclaim_ends_after_its_duration() -> None:
+    ctx = FakeContext(holders=["w0"], held=[held("w0", "j1", 1, time.time())])
+    before = time.time()
+    scheduled, events = start([aimed(duration=0.3)], ctx)
+    try:
+        wait_for(lambda: len(events) == 1)
+    finally:
+        scheduled.stop()
+    [event] = events
+    assert event.data["resumed"] == "duration" and event.end is not None
+    assert before + 0.3 <= event.end
+    assert ctx.signals == [("w0", signal.SIGSTOP), ("w0", signal.SIGCONT)]
+
+
+def test_an_aimed_pause_is_healed_when_the_load_ends() -> None:
+    ctx = FakeContext(holders=["w0"], held=[held("w0", "j1", 1, time.time())])
+    scheduled, events = start([aimed()], ctx)
+    wait_for(lambda: len(ctx.signals) == 1)
+    scheduled.stop()
+    [event] = events
+    assert event.data["resumed"] == "load end"
+    assert ctx.signals[-1] == ("w0", signal.SIGCONT)
+
+
+def test_a_second_pause_picks_a_worker_the_first_does_not_hold_stopped() -> None:
+    ctx = FakeContext(holders=["w0", "w1"])
+    # One seed for both: without the rule they would draw the same worker.
+    scheduled, _ = start([aimed(seed=1), aimed(seed=1)], ctx)
+    try:
+        wait_for(lambda: len(ctx.signals) == 2)
+    finally:
+        scheduled.stop()
+    stopped = [w for w, s in ctx.signals if s == signal.SIGSTOP]
+    assert sorted(stopped) == ["w0", "w1"]
+    # Healed: both may be chosen again.
+    assert not nemesis_worker._STOPPED

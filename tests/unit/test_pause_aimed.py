@@ -4,10 +4,7 @@ event logs written by hand, no processes)."""
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +15,12 @@ from skiplock.chaos.nemesis import (
     HeldLease,
     NemesisError,
     NemesisSpec,
-    PlannedFault,
-    ScheduledNemesis,
     plan,
     spec_from_mapping,
 )
 from skiplock.chaos.nemesis_worker import reclaim_in_flight
 from skiplock.reports.checker.common import DEFAULT_TOLERANCE_SECONDS
-from skiplock.reports.history import WORKER_LOG, FaultEvent, LogWriter
+from skiplock.reports.history import WORKER_LOG, LogWriter
 from skiplock.scenarios import spec as spec_mod
 from skiplock.scenarios.workers import _LeaseTracker, log_sink
 
@@ -120,132 +115,3 @@ def test_the_tracker_sees_claims_answers_and_writes(tmp_path: Path) -> None:
         assert tracker.leases({"w1": path}) == [] and tracker.holding({"w1": path}) == []
     finally:
         writer.close()
-
-
-# --- the scheduler, on a fake context --------------------------------------------------------
-
-
-@dataclass
-class FakeContext:
-    """Lease holders, the leases they hold (changed by the test as time passes), and the
-    signals sent."""
-
-    holders: list[str] = field(default_factory=lambda: ["w0", "w1"])
-    held: list[HeldLease] = field(default_factory=list)
-    signals: list[tuple[str, int]] = field(default_factory=list)
-    run_dir: Path = Path("/nonexistent")
-    dsn: str = ""
-    schema: str = "s"
-    app_prefix: str = "p-"
-    server_owned: bool = True
-    lease_seconds: float = 4.0
-    http_timeout_seconds: float = 1.0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def restart_server(self) -> None:
-        raise AssertionError("not in this test")
-
-    def targets(self) -> list[Any]:
-        return []
-
-    def workers_alive(self) -> list[str]:
-        return list(self.holders)
-
-    def workers_holding_leases(self) -> list[str]:
-        return list(self.holders)
-
-    def leases_held(self) -> list[HeldLease]:
-        with self.lock:
-            return list(self.held)
-
-    def signal_worker(self, worker_id: str, signum: int) -> None:
-        self.signals.append((worker_id, signum))
-
-    def set_failpoint(self, name: str, probability: float) -> None:
-        raise AssertionError("not in this test")
-
-
-def aimed(at: float = 0.0, duration: float = 30.0, seed: int = 1) -> PlannedFault:
-    return PlannedFault(kind="pause_worker", at=at, duration=duration, count=1,
-                        probability=1.0, external="refuse", seed=seed, until="reclaimed")
-
-
-def start(faults: list[PlannedFault], ctx: FakeContext) -> tuple[ScheduledNemesis,
-                                                                   list[FaultEvent]]:
-    events: list[FaultEvent] = []
-    lock = threading.Lock()
-
-    def record(event: FaultEvent) -> None:
-        with lock:
-            events.append(event)
-
-    scheduled = ScheduledNemesis(faults, record)
-    scheduled.start(ctx, time.time())
-    return scheduled, events
-
-
-def wait_for(condition: Any, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-def test_an_aimed_pause_ends_when_a_reclaim_of_its_job_has_run_long_enough() -> None:
-    ctx = FakeContext(holders=["w0"], held=[held("w0", "j1", 1, time.time())])
-    scheduled, events = start([aimed()], ctx)
-    try:
-        wait_for(lambda: ctx.signals == [("w0", signal.SIGSTOP)])
-        time.sleep(0.2)
-        assert events == []  # nothing re-claimed yet: still paused
-        reclaimed_at = time.time()
-        with ctx.lock:
-            ctx.held = [held("w0", "j1", 1, 0.0), held("w1", "j1", 2, reclaimed_at)]
-        wait_for(lambda: len(events) == 1)
-    finally:
-        scheduled.stop()
-    [event] = events
-    assert ctx.signals == [("w0", signal.SIGSTOP), ("w0", signal.SIGCONT)]
-    assert event.end is not None
-    assert reclaimed_at + nemesis_worker.RECLAIM_MIN_AGE_SECONDS <= event.end < reclaimed_at + 2
-    assert event.data["resumed"] == "reclaimed"
-    assert (event.data["reclaimed_job"], event.data["reclaimed_by"],
-            event.data["reclaimed_attempt"]) == ("j1", "w1", 2)
-
-
-def test_an_aimed_pause_with_no_reclaim_ends_after_its_duration() -> None:
-    ctx = FakeContext(holders=["w0"], held=[held("w0", "j1", 1, time.time())])
-    before = time.time()
-    scheduled, events = start([aimed(duration=0.3)], ctx)
-    try:
-        wait_for(lambda: len(events) == 1)
-    finally:
-        scheduled.stop()
-    [event] = events
-    assert event.data["resumed"] == "duration" and event.end is not None
-    assert before + 0.3 <= event.end
-    assert ctx.signals == [("w0", signal.SIGSTOP), ("w0", signal.SIGCONT)]
-
-
-def test_an_aimed_pause_is_healed_when_the_load_ends() -> None:
-    ctx = FakeContext(holders=["w0"], held=[held("w0", "j1", 1, time.time())])
-    scheduled, events = start([aimed()], ctx)
-    wait_for(lambda: len(ctx.signals) == 1)
-    scheduled.stop()
-    [event] = events
-    assert event.data["resumed"] == "load end"
-    assert ctx.signals[-1] == ("w0", signal.SIGCONT)
-
-
-def test_a_second_pause_picks_a_worker_the_first_does_not_hold_stopped() -> None:
-    ctx = FakeContext(holders=["w0", "w1"])
-    # One seed for both: without the rule they would draw the same worker.
-    scheduled, _ = start([aimed(seed=1), aimed(seed=1)], ctx)
-    try:
-        wait_for(lambda: len(ctx.signals) == 2)
-    finally:
-        scheduled.stop()
-    stopped = [w for w, s in ctx.signals if s == signal.SIGSTOP]
-    assert sorted(stopped) == ["w0", "w1"]
-    # Healed: both may be chosen again.
-    assert not nemesis_worker._STOPPED
