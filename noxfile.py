@@ -15,8 +15,8 @@ PYTHON = "3.11"
 # Files held to `ruff format`; the rest of the tree is held to `ruff check` only.
 FORMATTED = [
     "noxfile.py",
-    "scenarios/provision.py",
-    "scenarios/bench_queue.py",
+    "scenarios/servers/postgres.py",
+    "scenarios/bench/queue.py",
     "tests/conftest.py",
     "tests/unit/test_provision.py",
     "tests/integration/test_provision.py",

@@ -1,8 +1,8 @@
 """Errors the CLI turns into exit codes without a traceback, and SIGTERM as one of them.
 
-`skiplock.scenarios.cli.main` is the one place that maps them: `UsageError` 2, `HarnessError` 4,
-`Terminated` 143, any other `KeyboardInterrupt` 130, anything unexpected 4. Exit code 1 is
-left to verdicts alone.
+`main()` in `skiplock.scenarios.cli.main` is the one place that maps them: `UsageError` 2,
+`HarnessError` 4, `Terminated` 143, any other `KeyboardInterrupt` 130, anything unexpected 4.
+Exit code 1 is left to verdicts alone.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Every fault kind, declared once: what it does, what it hits, how long it lasts, what it
 needs and its defaults. The nemesis (`skiplock.chaos.nemesis`), the checker's categories
 (`skiplock.reports.checker.faults`), what a backend cannot honour
-(`skiplock.scenarios.honoured`), `--nemesis`'s help and the docs' table are derived from this
+(`skiplock.scenarios.run.honoured`), `--nemesis`'s help and the docs' table are derived from this
 table, and `tests/unit/test_fault_kinds.py` holds every one of them to it.
 
 It lives in `reports/`, the lowest layer that needs it: the checker reads fault records and

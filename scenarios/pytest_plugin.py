@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from skiplock.plumbing.errors import HarnessError, UsageError
-from skiplock.scenarios.gate import CaseResult, GateSummary, line
+from skiplock.scenarios.run.gate import CaseResult, GateSummary, line
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -53,7 +53,7 @@ class _Server:
 
     def get(self) -> Any:
         if self._server is None:
-            from skiplock.scenarios.gate import gate_server
+            from skiplock.scenarios.run.gate import gate_server
 
             self._server = self._stack.enter_context(gate_server(self._dsn))
         return self._server
@@ -79,7 +79,7 @@ class GateItem(pytest.Item):
         self.result: CaseResult | None = None
 
     def runtest(self) -> None:
-        from skiplock.scenarios.gate import run_case
+        from skiplock.scenarios.run.gate import run_case
 
         out = Path(self.settings["out"]) / "runs"
         out.mkdir(parents=True, exist_ok=True)
@@ -118,8 +118,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     backend = config.getoption("skiplock_backend")
     if sql is None and backend is None:
         return
-    from skiplock.scenarios.cmd_run import check_system_under_test
-    from skiplock.scenarios.gate import resolve_scenarios
+    from skiplock.scenarios.cli.run import check_system_under_test
+    from skiplock.scenarios.run.gate import resolve_scenarios
 
     # Bad options are the user's to fix: one line and pytest's usage exit (4), before any
     # server starts, as `skiplock gate` refuses them with exit 2.
@@ -135,7 +135,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     server = _Server(config.getoption("skiplock_dsn"))
     config.add_cleanup(server.close)
     settings = {"sql": sql, "backend": backend or "pg", "out": config.getoption("skiplock_out")}
-    from skiplock.scenarios.gate import cases
+    from skiplock.scenarios.run.gate import cases
 
     for scenario, seed in cases(scenarios, seeds):
         items.append(GateItem.from_parent(
@@ -151,7 +151,7 @@ def skiplock_gate(tmp_path: Path) -> Iterator[GateRunner]:
     """Run the gate: `skiplock_gate(sql=..., backend="pg", only=[...], seed=..., seeds=1,
     dsn=None, overrides=())` returns a `GateSummary` (`.exit_code`, `.results`,
     `.report()`); its runs, junit.xml and summary.json go under the test's tmp_path."""
-    from skiplock.scenarios.gate import resolve_scenarios, run_gate
+    from skiplock.scenarios.run.gate import resolve_scenarios, run_gate
 
     def gate(*, sql: str | None = None, backend: str = "pg",
              only: Sequence[str] | None = None, seed: int | None = None, seeds: int = 1,

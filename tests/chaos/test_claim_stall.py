@@ -44,7 +44,7 @@ from skiplock.reports.history import (
     read_log,
 )
 from skiplock.reports.synthetic import RunBuilder
-from skiplock.scenarios.workers import WorkerPool
+from skiplock.scenarios.run.workers import WorkerPool
 
 pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from skiplock.reports.checker import COUNT_KEYS
-from skiplock.scenarios.gate import gate_server, line, run_case
+from skiplock.scenarios.run.gate import gate_server, line, run_case
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(180)]
 

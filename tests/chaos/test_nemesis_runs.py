@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from skiplock.reports.history import NEMESIS_FILE, WORKERS_DIR, read_jsonl
-from skiplock.scenarios import spec as spec_mod
-from skiplock.scenarios.runner import RunOptions, RunResult, run_scenario
+from skiplock.scenarios.run import spec as spec_mod
+from skiplock.scenarios.run.runner import RunOptions, RunResult, run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(150)]
 

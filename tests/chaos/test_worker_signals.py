@@ -36,7 +36,7 @@ from skiplock.reports.history import (
     Step,
     read_log,
 )
-from skiplock.scenarios.workers import WorkerPool
+from skiplock.scenarios.run.workers import WorkerPool
 
 pytestmark = pytest.mark.chaos
 
@@ -257,7 +257,7 @@ def test_worker_command_drains_and_leaves_no_child(
     job_ids = enqueue(spec, target.deliver_url, SLOW, count=6)
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "skiplock.scenarios.cli", "worker",
+            sys.executable, "-m", "skiplock", "worker",
             "--workers", "2", "--batch", "2", "--lease", "2", "--http-timeout", "0.5",
             "--write-margin", "0.5", "--poll", "0.1",
             "--schema", spec.schema,
@@ -377,7 +377,7 @@ def _worker_command(spec: BackendSpec, target: TargetProcess, events_dir: Path, 
     env["SKIPLOCK_PG_DSN"] = pg_dsn
     return subprocess.Popen(
         [
-            sys.executable, "-m", "skiplock.scenarios.cli", "worker",
+            sys.executable, "-m", "skiplock", "worker",
             "--workers", "1", "--batch", "2", "--lease", "2", "--http-timeout", "0.5",
             "--write-margin", "0.5", "--poll", "0.1",
             "--schema", spec.schema,

@@ -10,7 +10,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from skiplock.scenarios import bench_e2e
+from skiplock.scenarios.bench import e2e as bench_e2e
 
 pytestmark = pytest.mark.integration
 
@@ -81,7 +81,7 @@ def test_bench_e2e_against_pgqueuer_runs_its_queue_manager_over_http(
 
 
 def test_bench_e2e_keeps_each_round_and_reports_the_median(pg_dsn: str, tmp_path: Path) -> None:
-    from skiplock.reports.cmd_compare import spread
+    from skiplock.scenarios.cli.compare import spread
 
     out = tmp_path / "e2e.json"
     parser = argparse.ArgumentParser()

@@ -13,7 +13,8 @@ import psycopg
 import pytest
 
 from skiplock.plumbing.errors import UsageError
-from skiplock.scenarios import bench_claim, bench_queue
+from skiplock.scenarios.bench import claim as bench_claim
+from skiplock.scenarios.bench import queue as bench_queue
 
 pytestmark = pytest.mark.integration
 
@@ -115,7 +116,7 @@ def test_bench_queue_against_bullmq_on_the_embedded_redis_leaves_nothing(
 
 
 def _bench_cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "skiplock.scenarios.cli", "bench", "queue", *argv],
+    return subprocess.run([sys.executable, "-m", "skiplock", "bench", "queue", *argv],
                           capture_output=True, text=True, timeout=120, check=False,
                           cwd=Path(__file__).resolve().parents[2])
 
@@ -165,7 +166,7 @@ def test_bench_claim_measures_each_backlog_and_leaves_nothing(pg_dsn: str,
 
 
 def test_bench_claim_keeps_each_round_for_compare(pg_dsn: str, tmp_path: Path) -> None:
-    from skiplock.reports.cmd_compare import spread
+    from skiplock.scenarios.cli.compare import spread
 
     out = tmp_path / "claim.json"
     parser = argparse.ArgumentParser()

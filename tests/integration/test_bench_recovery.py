@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def skiplock(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "skiplock.scenarios.cli", *map(str, args)],
+        [sys.executable, "-m", "skiplock", *map(str, args)],
         cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
     )
 

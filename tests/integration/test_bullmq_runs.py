@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from skiplock.reports.history import LOG_SUFFIX, WORKER_LOG, WORKERS_DIR, read_log
-from skiplock.scenarios.provision_redis import DATA_PREFIX, REDIS_URL_ENV
+from skiplock.scenarios.servers.redis import DATA_PREFIX, REDIS_URL_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +28,7 @@ def _run(scenario: str, out: Path, pg_dsn: str, *extra: str) -> tuple[dict, Path
     env = {k: v for k, v in os.environ.items() if k != REDIS_URL_ENV}
     env["SKIPLOCK_PG_DSN"] = pg_dsn
     done = subprocess.run(
-        [sys.executable, "-m", "skiplock.scenarios.cli", "run", scenario, "--backend", "bullmq",
+        [sys.executable, "-m", "skiplock", "run", scenario, "--backend", "bullmq",
          "--out", str(out), "--quiet", "--json", "--no-report", "--seed", "7", *extra],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False, env=env)
     assert "Traceback" not in done.stderr, done.stderr
@@ -81,7 +81,7 @@ def test_kill_workers_on_bullmq_is_judged(pg_dsn: str, tmp_path: Path) -> None:
 def test_a_fault_bullmq_cannot_feel_is_refused(pg_dsn: str, tmp_path: Path, scenario: str,
                                                expected: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "skiplock.scenarios.cli", "run", scenario, "--backend", "bullmq",
+        [sys.executable, "-m", "skiplock", "run", scenario, "--backend", "bullmq",
          "--out", str(tmp_path / "runs")],
         cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
         env={**os.environ, "SKIPLOCK_PG_DSN": pg_dsn})
@@ -94,7 +94,7 @@ def test_a_fault_bullmq_cannot_feel_is_refused(pg_dsn: str, tmp_path: Path, scen
 def test_the_gate_on_bullmq_lists_what_does_not_apply(pg_dsn: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != REDIS_URL_ENV}
     done = subprocess.run(
-        [sys.executable, "-m", "skiplock.scenarios.cli", "gate", "--backend", "bullmq", "--only",
+        [sys.executable, "-m", "skiplock", "gate", "--backend", "bullmq", "--only",
          "db-faults,long-calls", "--seed", "1", "--no-report", "--out", str(tmp_path / "gate")],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
         env={**env, "SKIPLOCK_PG_DSN": pg_dsn})

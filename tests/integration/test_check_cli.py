@@ -24,7 +24,7 @@ SUCCEED = {"name": "succeed", "first": {"behaviour": "ok"}, "times": None,
 
 def skiplock(*args: str | Path, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*prefix, sys.executable, "-m", "skiplock.scenarios.cli", *map(str, args)],
+        [*prefix, sys.executable, "-m", "skiplock", *map(str, args)],
         cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
     )
 

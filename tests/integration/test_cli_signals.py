@@ -28,7 +28,7 @@ from skiplock.reports.history import (
     read_json,
     read_log,
 )
-from skiplock.scenarios.provision import DATA_PREFIX, DSN_ENV, OWNER_FILE
+from skiplock.scenarios.servers.postgres import DATA_PREFIX, DSN_ENV, OWNER_FILE
 
 pytestmark = [
     pytest.mark.integration,
@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str | Path) -> list[str]:
-    return [sys.executable, "-m", "skiplock.scenarios.cli", *map(str, args)]
+    return [sys.executable, "-m", "skiplock", *map(str, args)]
 
 
 def _embedded_env() -> dict[str, str]:

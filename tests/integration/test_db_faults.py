@@ -33,7 +33,7 @@ from skiplock.chaos.nemesis_db import (
     TerminateBackends,
     like_prefix,
 )
-from skiplock.scenarios.provision import DSN_ENV, PgServer, fresh_database, postgres
+from skiplock.scenarios.servers.postgres import DSN_ENV, PgServer, fresh_database, postgres
 
 pytestmark = pytest.mark.integration
 

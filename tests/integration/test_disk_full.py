@@ -37,7 +37,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 def test_a_run_stops_when_its_disk_is_full(small_disk: Path, pg_dsn: str) -> None:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "skiplock.scenarios.cli", "run", "steady", "--rate", "400",
+        [sys.executable, "-m", "skiplock", "run", "steady", "--rate", "400",
          "--duration", "120", "--quiet", "--dsn", pg_dsn, "--out", str(small_disk / "runs")],
         cwd=REPO, capture_output=True, text=True, timeout=220, check=False)
     took = time.monotonic() - started

@@ -43,7 +43,7 @@ from skiplock.queue_impl.interface import (
 from skiplock.queue_impl.pg import PgQueue
 from skiplock.queue_impl.ssrf import UrlGuard
 from skiplock.reports.history import LOG_SUFFIX, WORKER_LOG, LogWriter, read_log
-from skiplock.scenarios.workers import log_sink
+from skiplock.scenarios.run.workers import log_sink
 
 pytestmark = pytest.mark.integration
 
@@ -877,8 +877,8 @@ def test_worker_command_refuses_an_event_log_it_cannot_append_to(
     pg_dsn: str, fresh_schema: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
     make_bad: Callable[[Path], object], message: str,
 ) -> None:
-    from skiplock.scenarios.cli import main
-    from skiplock.scenarios.workers import unique_prefix
+    from skiplock.scenarios.cli.main import main
+    from skiplock.scenarios.run.workers import unique_prefix
 
     events_dir = tmp_path / "events"
     events_dir.mkdir()
@@ -899,7 +899,7 @@ def test_worker_command_refuses_an_event_log_it_cannot_append_to(
 def test_worker_command_with_a_bad_events_dir_leaves_the_database_untouched(
     pg_dsn: str, fresh_schema: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from skiplock.scenarios.cli import main
+    from skiplock.scenarios.cli.main import main
 
     not_a_dir = tmp_path / "events"
     not_a_dir.write_text("")

@@ -38,9 +38,9 @@ from skiplock.reports.history import (
     read_log,
 )
 from skiplock.reports.objectives import Objectives
-from skiplock.scenarios import spec as spec_mod
-from skiplock.scenarios.cpu import process_stats
-from skiplock.scenarios.runner import RunContext, RunOptions, RunResult, run_scenario
+from skiplock.scenarios.bench.cpu import process_stats
+from skiplock.scenarios.run import spec as spec_mod
+from skiplock.scenarios.run.runner import RunContext, RunOptions, RunResult, run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -302,7 +302,7 @@ def _in_fresh_python(code: str, *args: str) -> str:
 
 def test_producer_classifies_enqueue_errors() -> None:
     out = _in_fresh_python(
-        "import skiplock.scenarios.producers as p, psycopg, gevent\n"
+        "import skiplock.scenarios.run.producers as p, psycopg, gevent\n"
         "print(p.classify_error(psycopg.errors.UniqueViolation('dup')),"
         " p.classify_error(psycopg.OperationalError('server closed the connection')),"
         " p.classify_error(ValueError('bad job')))"
@@ -314,7 +314,7 @@ def test_producer_makes_psycopg_cooperative_even_if_imported_first() -> None:
     out = _in_fresh_python(
         "import psycopg, psycopg.waiting\n"
         "blocking = psycopg.waiting.wait is getattr(psycopg.waiting, 'wait_c', None)\n"
-        "import skiplock.scenarios.producers as p\n"
+        "import skiplock.scenarios.run.producers as p\n"
         "p._cooperative_psycopg()\n"
         "print(blocking, psycopg.waiting.wait.__name__)"
     )
@@ -323,7 +323,7 @@ def test_producer_makes_psycopg_cooperative_even_if_imported_first() -> None:
 
 # Runs in a fresh interpreter (the producers module patches the world with gevent).
 COMMIT_ERROR_SCRIPT = """
-import skiplock.scenarios.producers as p
+import skiplock.scenarios.run.producers as p
 import json, sys, psycopg
 from pathlib import Path
 from psycopg import sql
@@ -332,7 +332,7 @@ from locust.env import Environment
 from skiplock.queue_impl.interface import Account
 from skiplock.queue_impl.plugins import BackendSpec
 from skiplock.reports.history import ENQUEUE_LOG, ENQUEUES_FILE, LogWriter
-from skiplock.scenarios.spec import load
+from skiplock.scenarios.run.spec import load
 
 dsn, schema, run_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 spec = load("steady", ["enqueue_batch=1"])
@@ -424,7 +424,7 @@ class _Proc:
 
 def test_a_producer_stopped_for_overrunning_is_not_a_harness_failure() -> None:
     from skiplock.plumbing.errors import HarnessError
-    from skiplock.scenarios.runner import _check_producers, _wait_phases
+    from skiplock.scenarios.run.runner import _check_producers, _wait_phases
 
     spec = spec_mod.load("steady", ["warmup=0", "duration=0.2"])
     prompt, overrun = _Proc("prompt", 0.0), _Proc("overrun", 120.0)
@@ -501,7 +501,7 @@ def test_sigterm_mid_load_cleans_up_and_leaves_a_judgeable_run(
     env = {**os.environ, "SKIPLOCK_PG_DSN": pg_dsn}
     with (tmp_path / "stderr").open("w") as err:
         run = subprocess.Popen(
-            [sys.executable, "-m", "skiplock.scenarios.cli", "run", "steady", "--quiet",
+            [sys.executable, "-m", "skiplock", "run", "steady", "--quiet",
              "--seed", "1",
              "--out", str(tmp_path / "runs"), "--warmup", "0.5", "--duration", "60",
              "--rate", "40"],
@@ -551,7 +551,7 @@ def test_sigterm_mid_load_cleans_up_and_leaves_a_judgeable_run(
 
 def test_interrupted_snapshot_on_an_unreachable_server_writes_nothing(tmp_path: Path) -> None:
     from skiplock.queue_impl.plugins import BackendSpec
-    from skiplock.scenarios.runner import _interrupted_snapshot
+    from skiplock.scenarios.run.runner import _interrupted_snapshot
 
     # Port 1 on loopback: nothing listens, so the connection is refused at once.
     backend = BackendSpec(name="pg", dsn="postgresql://postgres@127.0.0.1:1/none")
@@ -587,7 +587,7 @@ def test_demo_latency_starts_at_the_ack_and_ends_at_the_first_timely_2xx(
     tmp_path: Path
 ) -> None:
     from skiplock.reports.history import LogWriter
-    from skiplock.scenarios.cmd_demo import latencies
+    from skiplock.scenarios.cli.demo import latencies
 
     with LogWriter(tmp_path / ENQUEUES_FILE, ENQUEUE_LOG) as enq:
         for job, ack in (("a", 100.5), ("b", 100.2), ("c", 100.0)):
@@ -607,7 +607,7 @@ def test_demo_latency_starts_at_the_ack_and_ends_at_the_first_timely_2xx(
 
 
 def test_live_progress_labels_repeat_deliveries_without_calling_them_anomalies() -> None:
-    from skiplock.scenarios.progress import Sample, _table
+    from skiplock.scenarios.run.progress import Sample, _table
 
     sample = Sample(time=0.0, elapsed=1.0, phase="load", invoked=5, enqueued=5,
                     enqueue_errors=0, delivered=6, delivered_ok=6, duplicates=2, completed=4,

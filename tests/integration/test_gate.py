@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 def skiplock(*args: str | Path, cwd: Path = REPO,
              timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "skiplock.scenarios.cli", *map(str, args)],
+        [sys.executable, "-m", "skiplock", *map(str, args)],
         cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False,
     )
 
@@ -163,7 +163,7 @@ def test_an_interrupted_gate_leaves_junit_with_an_error_for_the_cut_case(
 
     out = tmp_path / "g"
     gate = subprocess.Popen(
-        [sys.executable, "-m", "skiplock.scenarios.cli", "gate", "--only", "noisy-neighbour",
+        [sys.executable, "-m", "skiplock", "gate", "--only", "noisy-neighbour",
          "--seed", "5", "--dsn", pg_dsn, "--out", str(out)],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

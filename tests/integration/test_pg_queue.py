@@ -30,7 +30,7 @@ from skiplock.queue_impl.interface import (
 from skiplock.queue_impl.pg import PgQueue
 from skiplock.queue_impl.plugins import BackendSpec
 from skiplock.queue_impl.sqlfile import SqlFileError
-from skiplock.scenarios.bench_claim import plan_work
+from skiplock.scenarios.bench.claim import plan_work
 
 pytestmark = pytest.mark.integration
 

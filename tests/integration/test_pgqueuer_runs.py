@@ -25,7 +25,7 @@ BACKEND = "skiplock.queue_impl.pgqueuer_backend:factory"
 
 def _run(scenario: str, out: Path, pg_dsn: str, *extra: str) -> tuple[dict, Path]:
     done = subprocess.run(
-        [sys.executable, "-m", "skiplock.scenarios.cli", "run", scenario, "--backend", BACKEND,
+        [sys.executable, "-m", "skiplock", "run", scenario, "--backend", BACKEND,
          "--out", str(out), "--quiet", "--json", "--no-report", "--seed", "5", *extra],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "SKIPLOCK_PG_DSN": pg_dsn})
@@ -75,7 +75,7 @@ def test_long_calls_on_pgqueuer_record_heartbeats_as_renewals(pg_dsn: str,
 
 def test_a_setting_pgqueuer_cannot_honour_is_refused(pg_dsn: str, tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "skiplock.scenarios.cli", "run", "exhaust-attempts", "--backend",
+        [sys.executable, "-m", "skiplock", "run", "exhaust-attempts", "--backend",
          BACKEND, "--out", str(tmp_path / "runs")],
         cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
         env={**os.environ, "SKIPLOCK_PG_DSN": pg_dsn})

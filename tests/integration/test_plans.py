@@ -19,7 +19,8 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from skiplock.queue_impl.sqlfile import reference_statements
-from skiplock.scenarios import cli, plans
+from skiplock.scenarios.bench import plans
+from skiplock.scenarios.cli import main as cli
 
 pytestmark = pytest.mark.integration
 

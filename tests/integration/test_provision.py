@@ -12,7 +12,13 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from skiplock.scenarios.provision import DSN_ENV, PgServer, docker_answers, fresh_database, postgres
+from skiplock.scenarios.servers.postgres import (
+    DSN_ENV,
+    PgServer,
+    docker_answers,
+    fresh_database,
+    postgres,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -87,7 +93,7 @@ def test_sigterm_stops_and_removes_the_server(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != DSN_ENV}
     env["DOCKER_HOST"] = "tcp://127.0.0.1:1"  # make sure the embedded path is taken
     child = subprocess.Popen(
-        [sys.executable, "-m", "skiplock.scenarios.provision"],
+        [sys.executable, "-m", "skiplock.scenarios.servers.postgres"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

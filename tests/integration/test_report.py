@@ -21,8 +21,8 @@ from skiplock.reports.history import (
     read_json,
 )
 from skiplock.reports.report import REPORT_FILE
-from skiplock.scenarios import spec as spec_mod
-from skiplock.scenarios.runner import RunOptions, RunResult, run_scenario
+from skiplock.scenarios.run import spec as spec_mod
+from skiplock.scenarios.run.runner import RunOptions, RunResult, run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -44,7 +44,7 @@ def _plots(page: str) -> int:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "skiplock.scenarios.cli", *args],
+    return subprocess.run([sys.executable, "-m", "skiplock", *args],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -32,7 +32,7 @@ def returns_none(**kw):
 def skiplock(*args: str | Path, cwd: Path = REPO, env: dict[str, str] | None = None,
              timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "skiplock.scenarios.cli", *map(str, args)],
+        [sys.executable, "-m", "skiplock", *map(str, args)],
         cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False,
         env={**os.environ, **(env or {})},
     )

@@ -10,8 +10,8 @@ import pytest
 from psycopg import sql
 
 from skiplock.queue_impl.pg import PgQueue
-from skiplock.scenarios.bench_claim import plan_work
-from skiplock.scenarios.progress import Sampler, live_counts_query
+from skiplock.scenarios.bench.claim import plan_work
+from skiplock.scenarios.run.progress import Sampler, live_counts_query
 
 pytestmark = pytest.mark.integration
 

@@ -37,8 +37,8 @@ from skiplock.queue_impl.memory import InMemoryQueue
 from skiplock.queue_impl.pg import PgQueue, _sample_params
 from skiplock.queue_impl.sqlfile import BLOCK_NAMES, REFERENCE_PATH, allowed_placeholders
 from skiplock.reports.history import VERDICT_FILE, read_json
-from skiplock.scenarios import spec as spec_mod
-from skiplock.scenarios.runner import RunOptions, run_scenario
+from skiplock.scenarios.run import spec as spec_mod
+from skiplock.scenarios.run.runner import RunOptions, run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -263,7 +263,7 @@ def test_the_runner_refuses_bad_sql_and_leaves_nothing(
 def skiplock(*args: str | Path, env: dict[str, str],
              timeout: float = 200) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "skiplock.scenarios.cli", *map(str, args)],
+        [sys.executable, "-m", "skiplock", *map(str, args)],
         cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
         env={**os.environ, **env},
     )

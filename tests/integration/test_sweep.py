@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from skiplock.scenarios import cli
+from skiplock.scenarios.cli import main as cli
 
 pytestmark = pytest.mark.integration
 

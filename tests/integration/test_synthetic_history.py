@@ -23,8 +23,8 @@ from skiplock.reports.history import (
     read_log,
 )
 from skiplock.reports.synthetic import RunBuilder
-from skiplock.scenarios import spec as spec_mod
-from skiplock.scenarios.runner import RunOptions, run_scenario
+from skiplock.scenarios.run import spec as spec_mod
+from skiplock.scenarios.run.runner import RunOptions, run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 

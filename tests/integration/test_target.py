@@ -21,7 +21,7 @@ from skiplock.queue_impl.interface import (
     WORKER_HEADER,
 )
 from skiplock.reports.history import DELIVERY_LOG, Behaviour, JobScript, LogWriter, Step, read_log
-from skiplock.scenarios.cli import main as cli_main
+from skiplock.scenarios.cli.main import main as cli_main
 
 pytestmark = pytest.mark.integration
 
@@ -391,7 +391,7 @@ def test_cli_refuses_a_log_with_other_columns_with_exit_2(
 
 def test_capacity_benchmark_runs_and_describes_itself() -> None:
     # Speed is measured by `skiplock bench target`, never asserted; this checks it works.
-    from skiplock.chaos.bench_target import bench
+    from skiplock.scenarios.bench.target import bench
 
     result = bench(duration=0.5, concurrency=4, load_processes=2, warmup=0.0)
     figures = result["results"]

@@ -62,5 +62,5 @@ def test_the_wheel_entry_points_name_skiplock_modules(wheel: zipfile.ZipFile) ->
     [entry_points] = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
     parsed = configparser.ConfigParser()
     parsed.read_string(wheel.read(entry_points).decode())
-    assert parsed["console_scripts"]["skiplock"] == "skiplock.scenarios.cli:main"
+    assert parsed["console_scripts"]["skiplock"] == "skiplock.scenarios.cli.main:main"
     assert parsed["pytest11"]["skiplock"] == "skiplock.scenarios.pytest_plugin"

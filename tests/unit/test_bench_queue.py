@@ -10,7 +10,7 @@ import pytest
 
 from skiplock.plumbing.errors import UsageError
 from skiplock.queue_impl.sqlfile import reference_statements
-from skiplock.scenarios import bench_queue
+from skiplock.scenarios.bench import queue as bench_queue
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -92,7 +92,7 @@ def test_cli_bad_input_exits_2_with_one_line(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    from skiplock.scenarios.cli import main
+    from skiplock.scenarios.cli.main import main
 
     monkeypatch.chdir(tmp_path)  # the default result folder is made under the cwd
 
@@ -108,7 +108,7 @@ def test_against_pgqueuer_without_it_installed_is_bad_input(
     import sys
 
     from skiplock.plumbing.errors import UsageError
-    from skiplock.scenarios.bench_pgqueuer import require_pgqueuer
+    from skiplock.scenarios.bench.pgqueuer import require_pgqueuer
 
     monkeypatch.setitem(sys.modules, "pgqueuer", None)  # import fails as if absent
     with pytest.raises(UsageError, match=r"pip install 'skiplock\[pgqueuer\]'"):

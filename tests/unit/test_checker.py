@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 
-from skiplock.reports.bench_checker import build_synthetic
 from skiplock.reports.checker import COUNT_KEYS, VIOLATION_KEYS, Verdict, check_run, write_verdict
 from skiplock.reports.history import (
     DELIVERY_LOG,
@@ -30,6 +29,7 @@ from skiplock.reports.history import (
     read_log,
 )
 from skiplock.reports.synthetic import LineWriter, RunBuilder, history_files, write_log
+from skiplock.scenarios.bench.checker import build_synthetic
 
 LOGS: dict[str, LogFormat] = {"enqueues.csv": ENQUEUE_LOG, "final_jobs.csv": FINAL_JOBS_LOG,
                               "deliveries": DELIVERY_LOG, "workers": WORKER_LOG}

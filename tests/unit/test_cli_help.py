@@ -10,7 +10,8 @@ from collections.abc import Callable
 import pytest
 
 from skiplock.plumbing.errors import HarnessError, Terminated, UsageError, sigterm_as_interrupt
-from skiplock.scenarios import cli, provision
+from skiplock.scenarios.cli import main as cli
+from skiplock.scenarios.servers import postgres as provision
 
 EXIT_CODES = ("0", "1", "2", "3", "4", "130", "143")
 
@@ -50,7 +51,7 @@ def test_each_command_help_has_examples_and_exit_codes(
 
 
 def test_run_help_lists_scenarios_and_the_keys_of_set(capsys: pytest.CaptureFixture[str]) -> None:
-    from skiplock.scenarios.spec import SCALAR_KEYS, available
+    from skiplock.scenarios.run.spec import SCALAR_KEYS, available
 
     text = " ".join(_help(capsys, "run").split())
     for name in available():
@@ -73,9 +74,9 @@ def _run_target_raising(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], exc: BaseException,
     *flags: str,
 ) -> tuple[int, str]:
-    import skiplock.chaos.cmd_target
+    import skiplock.scenarios.cli.target
 
-    monkeypatch.setattr(skiplock.chaos.cmd_target, "run", _raising(exc))
+    monkeypatch.setattr(skiplock.scenarios.cli.target, "run", _raising(exc))
     code = cli.main([*flags, "target", "--port", "0"])
     captured = capsys.readouterr()
     return code, captured.err
@@ -154,9 +155,9 @@ def test_bad_usage_before_the_command_obeys_debug(capsys: pytest.CaptureFixture[
 def test_a_verdict_is_the_only_way_to_exit_1(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import skiplock.chaos.cmd_target
+    import skiplock.scenarios.cli.target
 
-    monkeypatch.setattr(skiplock.chaos.cmd_target, "run", lambda _args: 1)
+    monkeypatch.setattr(skiplock.scenarios.cli.target, "run", lambda _args: 1)
     assert cli.main(["target"]) == 1
     assert capsys.readouterr().err == ""
 

@@ -49,8 +49,8 @@ from psycopg.conninfo import conninfo_to_dict
 from skiplock.chaos.nemesis import NEMESIS_KINDS
 from skiplock.queue_impl.plugins import BACKEND_NAMES, dsn_view
 from skiplock.reports.synthetic import RunBuilder
-from skiplock.scenarios import cli
-from skiplock.scenarios.spec import FAILPOINT_NAMES, SCALAR_KEYS, SCRIPT_NAMES, available
+from skiplock.scenarios.cli import main as cli
+from skiplock.scenarios.run.spec import FAILPOINT_NAMES, SCALAR_KEYS, SCRIPT_NAMES, available
 
 # --------------------------------------------------------------------------------------------
 # Settings: fast in CI, as long as asked for locally.
@@ -187,12 +187,12 @@ def _would_serve(*args: Any, **kwargs: Any) -> Any:
 def install_guards(setattr_: Callable[[Any, str, Any], None],
                    delenv: Callable[[str], None]) -> None:
     """Patch the few places where the CLI would start or reach something real."""
-    import skiplock.chaos.bench_target
-    import skiplock.chaos.cmd_target
-    import skiplock.reports.bench_checker
-    import skiplock.scenarios.provision as provision
-    import skiplock.scenarios.runner
-    import skiplock.scenarios.workers
+    import skiplock.scenarios.bench.checker
+    import skiplock.scenarios.bench.target
+    import skiplock.scenarios.cli.target
+    import skiplock.scenarios.run.runner
+    import skiplock.scenarios.run.workers
+    import skiplock.scenarios.servers.postgres as provision
 
     for name in _PG_ENV:
         delenv(name)
@@ -208,12 +208,12 @@ def install_guards(setattr_: Callable[[Any, str, Any], None],
     setattr_(psycopg.Connection, "connect",
              classmethod(lambda cls, *a, **k: _guard_connect(real_connect)(*a, **k)))
     setattr_(socket, "getaddrinfo", _guard_getaddrinfo(socket.getaddrinfo))
-    setattr_(skiplock.scenarios.runner, "run_scenario", _trip("would run a scenario"))
-    setattr_(skiplock.scenarios.workers.WorkerPool, "start", _trip("would start workers"))
-    setattr_(skiplock.chaos.cmd_target, "serve", _would_serve)
-    setattr_(skiplock.chaos.bench_target, "bench", _would_serve)
+    setattr_(skiplock.scenarios.run.runner, "run_scenario", _trip("would run a scenario"))
+    setattr_(skiplock.scenarios.run.workers.WorkerPool, "start", _trip("would start workers"))
+    setattr_(skiplock.scenarios.cli.target, "serve", _would_serve)
+    setattr_(skiplock.scenarios.bench.target, "bench", _would_serve)
     # The benchmark waits two seconds so that its history can be cached; no need here.
-    setattr_(skiplock.reports.bench_checker, "_wait_until_cacheable", lambda run_dir: 0.0)
+    setattr_(skiplock.scenarios.bench.checker, "_wait_until_cacheable", lambda run_dir: 0.0)
 
 
 @pytest.fixture(autouse=True)
@@ -477,7 +477,7 @@ backends: st.SearchStrategy[str] = st.one_of(
     st.sampled_from([*BACKEND_NAMES, "bullmq", "pg", "PG", "pg-naive ", "memory", "json:loads",
                      "json:nope", "os.path:join", "skiplock_no_such_module_xyz:factory",
                      "skiplock.queue_impl.memory:MemoryQueue",
-                     "skiplock.scenarios.spec:SCALAR_KEYS", ":", "a:",
+                     "skiplock.scenarios.run.spec:SCALAR_KEYS", ":", "a:",
                      ":b", "a.:b", "1a:b"]),
     garbage.filter(lambda s: not _FACTORY_SYNTAX.match(s)),
 )

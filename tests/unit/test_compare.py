@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from skiplock.plumbing.errors import UsageError
-from skiplock.reports import cmd_compare
-from skiplock.scenarios import cli
+from skiplock.scenarios.cli import compare as cmd_compare
+from skiplock.scenarios.cli import main as cli
 
 E2E: dict[str, Any] = {
     "benchmark": "e2e",

@@ -122,7 +122,7 @@ def test_worker_count_must_be_positive(count: int) -> None:
 def test_worker_command_refuses_bad_values_with_exit_2(
     argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from skiplock.scenarios.cli import main
+    from skiplock.scenarios.cli.main import main
 
     # A DSN that is never connected to: every check here happens before any connection.
     dsn = "postgresql://skiplock:secret-password@127.0.0.1:1/none"
@@ -136,7 +136,7 @@ def test_worker_command_refuses_bad_values_with_exit_2(
 def test_worker_command_needs_a_database(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from skiplock.scenarios.cli import main
+    from skiplock.scenarios.cli.main import main
 
     monkeypatch.delenv("SKIPLOCK_PG_DSN", raising=False)
     assert main(["worker"]) == 2
@@ -146,7 +146,7 @@ def test_worker_command_needs_a_database(
 def test_worker_command_reports_an_unreachable_server_without_its_password(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from skiplock.scenarios.cli import main
+    from skiplock.scenarios.cli.main import main
 
     # Port 1 on loopback: refused at once, nothing leaves the machine.
     dsn = "postgresql://skiplock:secret-password@127.0.0.1:1/none"
@@ -193,7 +193,7 @@ def test_without_a_seed_failpoints_still_fire_at_their_probability() -> None:
 def test_worker_command_checks_the_events_dir_before_the_database(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from skiplock.scenarios.cli import main
+    from skiplock.scenarios.cli.main import main
 
     not_a_dir = tmp_path / "events"
     not_a_dir.write_text("a regular file\n")
@@ -210,7 +210,7 @@ def test_worker_command_checks_the_events_dir_before_the_database(
 def test_worker_command_refuses_an_events_dir_under_a_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from skiplock.scenarios.cli import main
+    from skiplock.scenarios.cli.main import main
 
     (tmp_path / "file").write_text("")
     dsn = "postgresql://skiplock:secret-password@127.0.0.1:1/none"
@@ -223,7 +223,7 @@ def test_worker_command_refuses_an_events_dir_under_a_file(
 def test_worker_command_takes_back_the_events_dir_it_made_when_the_database_fails(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from skiplock.scenarios.cli import main
+    from skiplock.scenarios.cli.main import main
 
     dsn = "postgresql://skiplock:secret-password@127.0.0.1:1/none"
     events_dir = tmp_path / "new" / "events"

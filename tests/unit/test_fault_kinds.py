@@ -12,7 +12,8 @@ from skiplock.chaos import nemesis
 from skiplock.reports.checker import faults
 from skiplock.reports.fault_kinds import BY_NAME, FAULT_KINDS, NAMES
 from skiplock.reports.history import FaultKind
-from skiplock.scenarios import cmd_run, honoured
+from skiplock.scenarios.cli import run as cmd_run
+from skiplock.scenarios.run import honoured
 
 ROOT = Path(__file__).resolve().parents[2]
 

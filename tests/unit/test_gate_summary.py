@@ -3,7 +3,7 @@ neither a pass nor a failure; a gate in which nothing applies judged nothing (ex
 
 from __future__ import annotations
 
-from skiplock.scenarios.gate import CaseResult, GateSummary, junit
+from skiplock.scenarios.run.gate import CaseResult, GateSummary, junit
 
 
 def _case(scenario: str, exit_code: int = 0, not_applicable: str | None = None) -> CaseResult:

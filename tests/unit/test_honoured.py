@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from skiplock.queue_impl.bullmq_queue import GUARANTEES as BULLMQ
 from skiplock.queue_impl.interface import REFERENCE_GUARANTEES
-from skiplock.scenarios.honoured import unhonoured
-from skiplock.scenarios.spec import load
+from skiplock.scenarios.run.honoured import unhonoured
+from skiplock.scenarios.run.spec import load
 
 
 def test_the_shipped_scenarios_bullmq_can_run() -> None:

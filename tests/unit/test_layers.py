@@ -1,8 +1,8 @@
 """Imports point one way. Each package may import only the packages below it:
 
-    scenarios   workload and orchestration: spec, producers, workers, runner, CLI, provisioning
+    scenarios   commands (cli), one run (run), servers, benchmarks (bench)
     chaos       faults: the echo target and the nemeses
-    reports     what reads a run directory: history schema, checker, report, compare
+    reports     what reads a run directory: history schema, checker, report
     queue_impl  the systems under test
     plumbing    errors that become exit codes, argument types, process plumbing
 
@@ -47,7 +47,7 @@ def test_each_package_imports_only_the_packages_below_it() -> None:
 
 def test_the_rule_sees_an_upward_import(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from skiplock.scenarios.spec import load\n"
+    module.write_text("def f():\n    from skiplock.scenarios.run.spec import load\n"
                       "    import skiplock.chaos.target\n")
     assert _imported_packages(module) == {"scenarios", "chaos"}
 
@@ -83,3 +83,13 @@ def test_nothing_imports_a_package_by_its_folder_name() -> None:
                           if m.split(".")[0] in tops]
     assert not stray, "imports outside the skiplock namespace:\n" + "\n".join(stray)
 
+
+
+def test_scenarios_is_four_subpackages_and_the_pytest_entry_point() -> None:
+    """Commands, the run itself, servers and benchmarks each have a folder: a new module goes
+    into one of them, not beside them."""
+    scenarios = ROOT / "scenarios"
+    loose = {p.name for p in scenarios.glob("*.py")} - {"__init__.py", "pytest_plugin.py"}
+    folders = {p.parent.name for p in scenarios.glob("*/__init__.py")}
+    assert not loose, f"modules outside scenarios' subpackages: {sorted(loose)}"
+    assert folders == {"cli", "run", "servers", "bench"}, folders

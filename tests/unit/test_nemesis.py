@@ -25,7 +25,7 @@ from skiplock.chaos.nemesis import (
     spec_from_mapping,
 )
 from skiplock.reports.history import FaultEvent
-from skiplock.scenarios import spec as spec_mod
+from skiplock.scenarios.run import spec as spec_mod
 
 
 def planned(specs: list[NemesisSpec], seed: int) -> list[PlannedFault]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from skiplock.reports.objectives import ObjectiveError, Objectives, split_overrides
-from skiplock.scenarios.spec import SpecError, from_mapping, load, replay_command
+from skiplock.scenarios.run.spec import SpecError, from_mapping, load, replay_command
 
 
 def test_a_table_reads_back_as_written() -> None:

@@ -21,8 +21,8 @@ from skiplock.chaos.nemesis import (
 from skiplock.chaos.nemesis_worker import reclaim_in_flight
 from skiplock.reports.checker.common import DEFAULT_TOLERANCE_SECONDS
 from skiplock.reports.history import WORKER_LOG, LogWriter
-from skiplock.scenarios import spec as spec_mod
-from skiplock.scenarios.workers import _LeaseTracker, log_sink
+from skiplock.scenarios.run import spec as spec_mod
+from skiplock.scenarios.run.workers import _LeaseTracker, log_sink
 
 # --- the spec ------------------------------------------------------------------------------
 

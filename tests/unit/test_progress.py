@@ -14,7 +14,7 @@ from skiplock.reports.history import (
     WORKERS_DIR,
     LogWriter,
 )
-from skiplock.scenarios.progress import Sampler, _table
+from skiplock.scenarios.run.progress import Sampler, _table
 
 
 def _delivery(job: str, account: str, in_flight: int) -> dict[str, object]:

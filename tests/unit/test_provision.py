@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from skiplock.plumbing.errors import HarnessError, UsageError
-from skiplock.scenarios import provision
-from skiplock.scenarios.provision import DSN_ENV, choose_source, postgres, redact_dsn
+from skiplock.scenarios.servers import postgres as provision
+from skiplock.scenarios.servers.postgres import DSN_ENV, choose_source, postgres, redact_dsn
 
 
 def _docker_yes() -> bool:

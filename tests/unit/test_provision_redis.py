@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from skiplock.scenarios.provision_redis import durability_args, redact_url
+from skiplock.scenarios.servers.redis import durability_args, redact_url
 
 
 @pytest.mark.parametrize(("url", "shown"), [

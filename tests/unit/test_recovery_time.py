@@ -13,8 +13,8 @@ import pytest
 from skiplock.chaos.nemesis import NEMESIS_KINDS
 from skiplock.plumbing.errors import UsageError
 from skiplock.reports.history import DELIVERY_LOG, LogWriter
-from skiplock.scenarios import bench_recovery
-from skiplock.scenarios.bench_recovery import RecoveryError, read_deliveries, recovery_time
+from skiplock.scenarios.bench import recovery as bench_recovery
+from skiplock.scenarios.bench.recovery import RecoveryError, read_deliveries, recovery_time
 
 LOAD = 12.0
 FAULT = 4.0

@@ -26,10 +26,10 @@ from skiplock.queue_impl.plugins import (
     scrub,
     shown_options,
 )
-from skiplock.scenarios import spec as spec_mod
-from skiplock.scenarios.cmd_run import check_dsn, check_out
-from skiplock.scenarios.provision import _scrub, redact_dsn
-from skiplock.scenarios.spec import NAME_MAX, SpecError
+from skiplock.scenarios.cli.run import check_dsn, check_out
+from skiplock.scenarios.run import spec as spec_mod
+from skiplock.scenarios.run.spec import NAME_MAX, SpecError
+from skiplock.scenarios.servers.postgres import _scrub, redact_dsn
 
 # --- scenario files -------------------------------------------------------------------------
 
@@ -162,7 +162,7 @@ def test_bad_names_are_refused_from_a_file_and_from_set(tmp_path: Path) -> None:
 
 
 def test_new_run_dir_stays_inside_out(tmp_path: Path) -> None:
-    from skiplock.scenarios.runner import new_run_dir
+    from skiplock.scenarios.run.runner import new_run_dir
 
     out = tmp_path / "runs"
     run_dir = new_run_dir(out, spec_mod.ScenarioSpec(name="ok"), 1)
@@ -175,7 +175,7 @@ def test_new_run_dir_stays_inside_out(tmp_path: Path) -> None:
 
 
 def test_a_removed_run_takes_only_the_empty_folders_it_made(tmp_path: Path) -> None:
-    from skiplock.scenarios.runner import missing_folders, new_run_dir, remove_if_empty
+    from skiplock.scenarios.run.runner import missing_folders, new_run_dir, remove_if_empty
 
     (tmp_path / "kept").mkdir()
     out = tmp_path / "kept" / "a" / "b"
@@ -191,7 +191,7 @@ def test_a_removed_run_takes_only_the_empty_folders_it_made(tmp_path: Path) -> N
 
 
 def test_new_run_dir_under_a_file_is_a_usage_error(tmp_path: Path) -> None:
-    from skiplock.scenarios.runner import new_run_dir
+    from skiplock.scenarios.run.runner import new_run_dir
 
     (tmp_path / "afile").write_text("")
     for out in (tmp_path / "afile", tmp_path / "afile" / "sub"):
@@ -453,7 +453,7 @@ def test_reference_backends_need_no_call() -> None:
 
 
 def test_the_demo_names_and_describes_what_it_mixes_in() -> None:
-    from skiplock.scenarios.cmd_demo import DEMO_DEFAULTS, demo_spec
+    from skiplock.scenarios.cli.demo import DEMO_DEFAULTS, demo_spec
 
     spec = demo_spec(spec_mod.load("steady", DEMO_DEFAULTS), [])
     assert spec.name == "demo"
@@ -476,8 +476,8 @@ def test_the_live_table_and_the_summary_count_deliveries_alike(tmp_path: Path) -
         ENQUEUES_FILE,
         LogWriter,
     )
-    from skiplock.scenarios.cmd_demo import summary_table
-    from skiplock.scenarios.progress import LABELS, Sampler, _table
+    from skiplock.scenarios.cli.demo import summary_table
+    from skiplock.scenarios.run.progress import LABELS, Sampler, _table
 
     with LogWriter(tmp_path / ENQUEUES_FILE, ENQUEUE_LOG) as enq:
         for job in ("a", "b"):
@@ -583,7 +583,7 @@ def test_locusts_note_about_a_user_that_already_ended_is_not_printed() -> None:
     import sys
 
     code = (
-        "import logging, skiplock.scenarios.producers\n"
+        "import logging, skiplock.scenarios.run.producers\n"
         "log = logging.getLogger('locust.runners')\n"
         "log.error(\"While stopping users, we encountered a user that didn't have proper "
         "args %s\", 'g')\n"

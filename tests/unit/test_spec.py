@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from skiplock.reports.history import Behaviour
-from skiplock.scenarios import spec as spec_mod
-from skiplock.scenarios.spec import Chooser, ScenarioSpec, SpecError
+from skiplock.scenarios.run import spec as spec_mod
+from skiplock.scenarios.run.spec import Chooser, ScenarioSpec, SpecError
 
 
 @pytest.mark.parametrize("name", ["steady", "faulty-targets"])
@@ -146,7 +146,7 @@ def test_to_json_round_trips() -> None:
 def test_cli_bad_input_is_exit_2_with_one_line(
     argv: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from skiplock.scenarios.cli import main
+    from skiplock.scenarios.cli.main import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -177,7 +177,7 @@ def test_non_finite_toml_values_are_refused(tmp_path: Path) -> None:
 def test_cli_refuses_non_finite_values_with_exit_2(
     flags: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from skiplock.scenarios.cli import main
+    from skiplock.scenarios.cli.main import main
 
     assert main(["run", "steady", *flags]) == 2
     err = capsys.readouterr().err.strip()

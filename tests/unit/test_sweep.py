@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from skiplock.plumbing.errors import UsageError
-from skiplock.scenarios.cmd_sweep import bottleneck, bracket, capacities, knee_of, parse_rates
+from skiplock.scenarios.cli.sweep import bottleneck, bracket, capacities, knee_of, parse_rates
 
 
 def test_sweep_rates_and_knee() -> None:

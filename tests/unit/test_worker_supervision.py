@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from skiplock.plumbing.errors import UsageError
-from skiplock.scenarios.cmd_worker import _crash_loop
-from skiplock.scenarios.workers import CrashLoop, unique_prefix
+from skiplock.scenarios.cli.worker import _crash_loop
+from skiplock.scenarios.run.workers import CrashLoop, unique_prefix
 
 
 def test_crash_loop_is_deaths_over_seconds() -> None:
@@ -44,7 +44,7 @@ def test_worker_ids_name_the_host_and_this_process() -> None:
 
 def test_the_lease_tracker_keeps_each_open_attempt_with_its_claim_time(tmp_path: Path) -> None:
     from skiplock.reports.history import WORKER_LOG, LogWriter, WorkerEvent
-    from skiplock.scenarios.workers import _LeaseTracker
+    from skiplock.scenarios.run.workers import _LeaseTracker
 
     path = tmp_path / "w-1.csv"
     tracker = _LeaseTracker()

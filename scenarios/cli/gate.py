@@ -1,4 +1,4 @@
-"""`skiplock gate`: the CI correctness gate (see scenarios/gate.py for what it runs).
+"""`skiplock gate`: the CI correctness gate (see scenarios/run/gate.py for what it runs).
 
 Exit codes: 0 every run valid, 1 a guarantee violated in some run, 3 only unknowns, 2 bad
 input, 4 harness failure. One line per scenario x seed, then a summary; `OUT/junit.xml` and
@@ -15,9 +15,9 @@ from pathlib import Path
 from rich.console import Console
 
 from skiplock.plumbing.errors import UsageError
-from skiplock.scenarios.cmd_run import backend_options, check_dsn, check_redis_url
-from skiplock.scenarios.gate import DEFAULT_OUT, SUITE, line, resolve_scenarios, run_gate
-from skiplock.scenarios.provision import DSN_ENV, check_reachable
+from skiplock.scenarios.cli.run import backend_options, check_dsn, check_redis_url
+from skiplock.scenarios.run.gate import DEFAULT_OUT, SUITE, line, resolve_scenarios, run_gate
+from skiplock.scenarios.servers.postgres import DSN_ENV, check_reachable
 
 # Each seed is a whole pass over the suite (minutes): more than this is a typo, not a plan.
 MAX_SEEDS = 1000
@@ -56,7 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from skiplock.scenarios.cmd_run import check_out, check_system_under_test
+    from skiplock.scenarios.cli.run import check_out, check_system_under_test
 
     check_system_under_test(args.backend, args.sql_path)
     check_redis_url(args.backend, None)
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     scenarios = resolve_scenarios(args.only)
     overrides = list(args.overrides) + (["recovery=false"] if args.no_recovery else [])
     # Every scenario must load with the overrides before anything runs.
-    from skiplock.scenarios.spec import SpecError, load
+    from skiplock.scenarios.run.spec import SpecError, load
 
     for scenario in scenarios:
         try:

@@ -27,12 +27,12 @@ from typing import Any
 
 import pandas as pd
 
-from skiplock.chaos.bench_target import cpu_seconds
 from skiplock.plumbing.errors import HarnessError, UsageError
 from skiplock.reports.selfdescribe import describe
-from skiplock.scenarios import bench_queue
-from skiplock.scenarios.cpu import CpuWindow
-from skiplock.scenarios.provision import postgres
+from skiplock.scenarios.bench import queue as bench_queue
+from skiplock.scenarios.bench.cpu import CpuWindow
+from skiplock.scenarios.bench.target import cpu_seconds
+from skiplock.scenarios.servers.postgres import postgres
 
 DEFAULT_DURATION = 10.0
 # Jobs per second of duration put in each phase's backlog: more than either phase can take.
@@ -99,11 +99,11 @@ def _validate(args: argparse.Namespace) -> tuple[bench_queue.Params, Path]:
     if prefill <= 0:
         raise UsageError(f"--prefill must be a positive integer, got {prefill}")
     if args.against == "bullmq":
-        from skiplock.scenarios.bench_bullmq import require_bullmq
+        from skiplock.scenarios.bench.bullmq import require_bullmq
 
         require_bullmq()
     elif args.against == "pgqueuer":
-        from skiplock.scenarios.bench_pgqueuer import require_pgqueuer
+        from skiplock.scenarios.bench.pgqueuer import require_pgqueuer
 
         require_pgqueuer()
     if args.against != "bullmq" and args.redis_url is not None:
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
             redis = None
             if args.against == "bullmq":
                 # Before the PostgreSQL phases: a bad Redis URL is said at once.
-                from skiplock.scenarios.bench_bullmq import redis_for
+                from skiplock.scenarios.bench.bullmq import redis_for
 
                 redis = stack.enter_context(redis_for(args.redis_url, args.durability, _say))
             rounds = []
@@ -180,13 +180,13 @@ def _one_round(admin_dsn: str, dsn: str, params: bench_queue.Params, args: argpa
         bench_queue.drop_schemas(admin_dsn, schemas)
     other: dict[str, Any] | None = None
     if redis is not None:
-        from skiplock.scenarios.bench_bullmq import bullmq_e2e_phase, redis_record
+        from skiplock.scenarios.bench.bullmq import bullmq_e2e_phase, redis_record
 
         _say("phase 3, BullMQ end to end")
         other = {"redis": redis_record(redis),
                  **asdict(bullmq_e2e_phase(redis.url, params, _say))}
     elif args.against == "pgqueuer":
-        from skiplock.scenarios.bench_pgqueuer import pgqueuer_e2e_phase
+        from skiplock.scenarios.bench.pgqueuer import pgqueuer_e2e_phase
 
         _say("phase 3, pgqueuer end to end")
         other = pgqueuer_e2e_phase(dsn, params, _say)
@@ -253,7 +253,7 @@ def e2e_phase(dsn: str, schema: str, params: bench_queue.Params, *,
     from skiplock.chaos.target import TargetProcess
     from skiplock.queue_impl.dispatcher import DispatcherConfig
     from skiplock.queue_impl.plugins import BackendSpec
-    from skiplock.scenarios.workers import WorkerPool
+    from skiplock.scenarios.run.workers import WorkerPool
 
     with tempfile.TemporaryDirectory(prefix="skiplock-bench-e2e-") as tmp:
         events = Path(tmp) / "workers"

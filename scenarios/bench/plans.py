@@ -46,7 +46,7 @@ from psycopg import IsolationLevel, sql
 from skiplock.plumbing.errors import HarnessError
 from skiplock.queue_impl.pg import apply_plan_settings
 from skiplock.queue_impl.plugins import scrub
-from skiplock.scenarios.bench_claim import (
+from skiplock.scenarios.bench.claim import (
     claim,
     claim_params,
     create_schema,
@@ -54,8 +54,8 @@ from skiplock.scenarios.bench_claim import (
     lock_accounts,
     plan_work,
 )
-from skiplock.scenarios.bench_queue import drop_schemas
-from skiplock.scenarios.provision import fresh_database
+from skiplock.scenarios.bench.queue import drop_schemas
+from skiplock.scenarios.servers.postgres import fresh_database
 
 SCHEMA_PREFIX = "skiplock_plans"
 # Every session this command opens says so in pg_stat_activity.

@@ -194,7 +194,7 @@ class GateSummary:
 
 def resolve_scenarios(only: Sequence[str] | None) -> list[str]:
     """The suite, or the named part of it; any scenario name or .toml path is accepted."""
-    from skiplock.scenarios.spec import SpecError, resolve_path
+    from skiplock.scenarios.run.spec import SpecError, resolve_path
 
     if not only:
         return list(SUITE)
@@ -219,7 +219,7 @@ def cases(scenarios: Sequence[str], seeds: Sequence[int]) -> list[tuple[str, int
 @contextlib.contextmanager
 def gate_server(dsn: str | None) -> Iterator[Any]:
     """One durable server for the whole gate (each run still gets its own schema)."""
-    from skiplock.scenarios.provision import postgres
+    from skiplock.scenarios.servers.postgres import postgres
 
     with postgres(dsn, durable=True) as server:
         yield server
@@ -246,8 +246,8 @@ def run_case(scenario: str, seed: int, *, server: Any, backend: str, sql_path: s
     """One scenario x seed, judged (and its report.html written, unless `report` is off).
     Bad input raises UsageError (it would fail every case alike); a harness failure is this
     case's result (exit 4)."""
-    from skiplock.scenarios.runner import RunOptions, run_scenario
-    from skiplock.scenarios.spec import SpecError, load
+    from skiplock.scenarios.run.runner import RunOptions, run_scenario
+    from skiplock.scenarios.run.spec import SpecError, load
 
     try:
         spec = load(scenario, list(overrides))

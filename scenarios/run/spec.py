@@ -31,7 +31,7 @@ from skiplock.chaos.nemesis import NemesisError, NemesisSpec, check_schedule, sp
 from skiplock.reports.history import Behaviour, JobScript, Step
 from skiplock.reports.objectives import ObjectiveError, Objectives, split_overrides
 
-SPECS_DIR = Path(__file__).parent / "specs"
+SPECS_DIR = Path(__file__).parent.parent / "specs"
 
 
 class SpecError(ValueError):

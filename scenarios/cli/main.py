@@ -27,17 +27,17 @@ __all__ = ["COMMANDS", "EPILOGS", "Terminated", "build_parser", "main", "sigterm
 
 # command name -> (module under `skiplock`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("scenarios.cmd_demo", "short friendly end-to-end run on embedded servers"),
-    "run": ("scenarios.cmd_run", "run one scenario and judge it"),
-    "gate": ("scenarios.cmd_gate", "CI correctness gate: chaos scenarios over seeds, JUnit XML"),
-    "check": ("reports.cmd_check", "judge one or more run directories from their history"),
-    "report": ("reports.cmd_report", "an HTML report of one run, or several side by side"),
-    "worker": ("scenarios.cmd_worker", "start dispatcher worker processes against a DSN"),
-    "target": ("chaos.cmd_target", "run the duplicate-detecting echo target"),
-    "bench": ("scenarios.cmd_bench", "benchmarks: queue throughput, checker speed, target"),
-    "sweep": ("scenarios.cmd_sweep", "capacity: step the offered rate, find the knee"),
-    "plans": ("scenarios.cmd_plans", "the claim's cost as the jobs table grows and bloats"),
-    "compare": ("reports.cmd_compare", "compare two result files; exit 1 on a regression"),
+    "demo": ("scenarios.cli.demo", "short friendly end-to-end run on embedded servers"),
+    "run": ("scenarios.cli.run", "run one scenario and judge it"),
+    "gate": ("scenarios.cli.gate", "CI correctness gate: chaos scenarios over seeds, JUnit XML"),
+    "check": ("scenarios.cli.check", "judge one or more run directories from their history"),
+    "report": ("scenarios.cli.report", "an HTML report of one run, or several side by side"),
+    "worker": ("scenarios.cli.worker", "start dispatcher worker processes against a DSN"),
+    "target": ("scenarios.cli.target", "run the duplicate-detecting echo target"),
+    "bench": ("scenarios.cli.bench", "benchmarks: queue throughput, checker speed, target"),
+    "sweep": ("scenarios.cli.sweep", "capacity: step the offered rate, find the knee"),
+    "plans": ("scenarios.cli.plans", "the claim's cost as the jobs table grows and bloats"),
+    "compare": ("scenarios.cli.compare", "compare two result files; exit 1 on a regression"),
 }
 
 EXIT_HARNESS = HarnessError.exit_code
@@ -269,14 +269,14 @@ def epilog(name: str) -> str:
     """The command's --help epilog, with the scenario names and keys it mentions."""
     text = EPILOGS.get(name, "")
     if "{scenarios}" in text or "{keys}" in text:
-        from skiplock.scenarios.spec import SCALAR_KEYS, available
+        from skiplock.scenarios.run.spec import SCALAR_KEYS, available
 
         keys = [*SCALAR_KEYS, "accounts.ID (a limit or unlimited)", "account_mix.ID",
                 "mix.SCRIPT", "failpoints.NAME"]
         text = text.replace("{scenarios}", _wrapped(available())).replace("{keys}",
                                                                           _wrapped(keys))
     if "{suite}" in text:
-        from skiplock.scenarios.gate import SUITE
+        from skiplock.scenarios.run.gate import SUITE
 
         text = text.replace("{suite}", _wrapped(SUITE))
     return text

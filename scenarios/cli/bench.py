@@ -8,12 +8,12 @@ import importlib
 
 # name -> (module under `skiplock` exposing configure(parser) and run(args) -> int, help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "queue": ("scenarios.bench_queue", "queue-only throughput against the raw-SQL ceiling"),
-    "claim": ("scenarios.bench_claim", "one claim's cost as a full account's backlog grows"),
-    "e2e": ("scenarios.bench_e2e", "the queue alone, then the full path, and their ratio"),
-    "checker": ("reports.bench_checker", "seconds to check a synthetic history"),
-    "target": ("chaos.bench_target", "the echo target's capacity on its own"),
-    "recovery": ("scenarios.bench_recovery", "time back to the pre-fault rate after each fault"),
+    "queue": ("scenarios.bench.queue", "queue-only throughput against the raw-SQL ceiling"),
+    "claim": ("scenarios.bench.claim", "one claim's cost as a full account's backlog grows"),
+    "e2e": ("scenarios.bench.e2e", "the queue alone, then the full path, and their ratio"),
+    "checker": ("scenarios.bench.checker", "seconds to check a synthetic history"),
+    "target": ("scenarios.bench.target", "the echo target's capacity on its own"),
+    "recovery": ("scenarios.bench.recovery", "time back to the pre-fault rate after each fault"),
 }
 
 

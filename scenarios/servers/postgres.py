@@ -694,8 +694,8 @@ def fresh_schema(dsn: str, name: str | None = None) -> str:
 
 
 def _main() -> int:
-    """`python -m skiplock.scenarios.provision`: start a server, print its DSN, wait for Ctrl-C or
-    SIGTERM; exits 130 or 143, like every command, once the server is gone."""
+    """`python -m skiplock.scenarios.servers.postgres`: start a server, print its DSN, wait for
+    Ctrl-C or SIGTERM; exits 130 or 143, like every command, once the server is gone."""
     try:
         with sigterm_as_interrupt(), postgres() as server:
             print(server.dsn, flush=True)

@@ -11,7 +11,7 @@ completed divided by the duration is the rate, as the PgQueue phase counts the j
 workers finished in the same time. BullMQ keeps completed jobs (its default), as the reference
 keeps COMPLETED rows.
 
-Redis comes from `skiplock.scenarios.provision_redis`, durable in the same class as the PostgreSQL
+Redis comes from `skiplock.scenarios.servers.redis`, durable in the same class as the PostgreSQL
 phases (an append-only file fsynced before each reply, against commits fsynced before they
 return); the result records both servers' settings. The `bullmq` package is pinned to the last
 release that does not pin `croniter` below what pgqueuer needs, so both comparisons install
@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, cast
 
-from skiplock.scenarios.bench_queue import processes_in_step, require_package, say_progress
+from skiplock.scenarios.bench.queue import processes_in_step, require_package, say_progress
 
 QUEUE_NAME = "skiplock-bench"
 ENQUEUE_CHUNK = 1_000
@@ -44,7 +44,7 @@ def redis_for(url: str | None, durability: str, say: Any) -> Iterator[Any]:
     """The Redis a comparison runs on, in the class matching `durability` (`fsync`: AOF
     fsynced per write; `relaxed`: once a second), said in one line, with a warning when a
     server given by URL runs otherwise."""
-    from skiplock.scenarios.provision_redis import Durability, redis_server
+    from skiplock.scenarios.servers.redis import Durability, redis_server
 
     appendfsync: Durability = "always" if durability == "fsync" else "everysec"
     with redis_server(url, durability=appendfsync) as redis:
@@ -179,7 +179,7 @@ def _e2e_worker(url: str, config: Any, worker_id: str, events_path: str, ready: 
     from skiplock.plumbing.orphans import name_this_process
     from skiplock.queue_impl.bullmq_worker import run_bullmq_worker, run_in_own_loop
     from skiplock.reports.history import WORKER_LOG, LogWriter
-    from skiplock.scenarios.workers import log_sink
+    from skiplock.scenarios.run.workers import log_sink
 
     name_this_process("skiplock-worker")
     writer = LogWriter(Path(events_path), WORKER_LOG)
@@ -231,7 +231,7 @@ def bullmq_e2e_phase(url: str, params: Any, say: Any) -> Any:
 
     from skiplock.chaos.target import TargetProcess
     from skiplock.queue_impl.dispatcher import DispatcherConfig
-    from skiplock.scenarios.bench_e2e import judge_window, timed_window
+    from skiplock.scenarios.bench.e2e import judge_window, timed_window
 
     version = require_bullmq()
     with tempfile.TemporaryDirectory(prefix="skiplock-bench-bullmq-") as tmp:

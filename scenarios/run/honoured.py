@@ -12,7 +12,7 @@ from __future__ import annotations
 from skiplock.queue_impl.interface import Guarantees
 from skiplock.queue_impl.plugins import REDIS_BACKENDS
 from skiplock.reports.fault_kinds import names_where
-from skiplock.scenarios.spec import ScenarioSpec
+from skiplock.scenarios.run.spec import ScenarioSpec
 
 # Faults that act on PostgreSQL: a queue kept elsewhere never feels them.
 POSTGRES_FAULTS = names_where(lambda k: k.postgres)

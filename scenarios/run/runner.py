@@ -62,15 +62,15 @@ from skiplock.reports.history import (
     write_json,
 )
 from skiplock.reports.selfdescribe import describe
-from skiplock.scenarios.honoured import unhonoured
-from skiplock.scenarios.progress import Observer, Sample, Sampler, SampleWriter
-from skiplock.scenarios.provision import DSN_ENV, PgServer, postgres, redact_dsn
-from skiplock.scenarios.spec import FAILPOINT_NAMES, ScenarioSpec, replay_command
+from skiplock.scenarios.run.honoured import unhonoured
+from skiplock.scenarios.run.progress import Observer, Sample, Sampler, SampleWriter
+from skiplock.scenarios.run.spec import FAILPOINT_NAMES, ScenarioSpec, replay_command
+from skiplock.scenarios.servers.postgres import DSN_ENV, PgServer, postgres, redact_dsn
 
 if TYPE_CHECKING:
     from skiplock.chaos.nemesis import HeldLease
-    from skiplock.scenarios.provision_redis import RedisServer
-    from skiplock.scenarios.workers import WorkerPool
+    from skiplock.scenarios.run.workers import WorkerPool
+    from skiplock.scenarios.servers.redis import RedisServer
 
 DEFAULT_OUT = Path("runs")
 
@@ -124,7 +124,7 @@ class RunContext(Protocol):
 
     run_dir: Path
     server: PgServer
-    pool: Any  # skiplock.scenarios.workers.WorkerPool
+    pool: Any  # skiplock.scenarios.run.workers.WorkerPool
     nemesis_log: JsonlWriter
 
 
@@ -354,13 +354,13 @@ def producer_processes(configs: list[dict[str, Any]]) -> Iterator[list[Any]]:
     processes: list[Any] = []
     try:
         for config in configs:
-            # runpy, not a function of skiplock.scenarios.producers: that module imports locust (and
-            # so gevent's patches) first, which must not happen in this process, and its
+            # runpy, not a function of skiplock.scenarios.run.producers: that module imports
+            # locust (and so gevent's patches) first, which must not happen in this process, and its
             # configuration is plain data so that unpickling it imports nothing (psycopg
             # must be imported after the patches in the child).
             process = ctx.Process(
                 target=__import__("runpy").run_module,
-                args=("skiplock.scenarios.producers",),
+                args=("skiplock.scenarios.run.producers",),
                 kwargs={"init_globals": {"PRODUCER_CONFIG": config}, "run_name": "__main__"},
                 name=f"skiplock-producer-{config['role']}-{config['index']}",
                 daemon=True,
@@ -661,7 +661,7 @@ def run_scenario(
     # Imported when a run starts, not with this module, but before anything is started: a
     # checker or worker module that fails to import leaves no server and no run directory.
     from skiplock.reports.checker import check_run, write_verdict
-    from skiplock.scenarios.workers import WorkerPool
+    from skiplock.scenarios.run.workers import WorkerPool
 
     say = announce or (lambda _message: None)
     planned, nemesis = _choose_nemesis(spec, options, nemesis, say)
@@ -770,8 +770,8 @@ def _run_to_final_snapshot(
     cleanups in turn; the order of the steps is the order of those registrations, which
     is why the schema's drop runs after the interrupted snapshot (LIFO).
 
-    `worker_pool` is skiplock.scenarios.workers.WorkerPool, imported by `run_scenario` before the
-    run started."""
+    `worker_pool` is skiplock.scenarios.run.workers.WorkerPool, imported by `run_scenario`
+    before the run started."""
     spec, options = run.spec, run.options
     with contextlib.ExitStack() as stack:
         run.phase("setup")
@@ -844,7 +844,7 @@ def _start_server(run: _RunState, stack: contextlib.ExitStack) -> PgServer:
 def _start_redis(run: _RunState, stack: contextlib.ExitStack) -> RedisServer:
     """A Redis backend's server (the URL given, Docker, or the embedded one), durable: an
     AOF fsynced before each reply, as PostgreSQL commits are."""
-    from skiplock.scenarios.provision_redis import redis_server
+    from skiplock.scenarios.servers.redis import redis_server
 
     return stack.enter_context(redis_server(run.options.redis_url, durability="always"))
 

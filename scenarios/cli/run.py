@@ -26,11 +26,11 @@ from rich.console import Console
 from skiplock.chaos.nemesis import NemesisError, check_schedule, shortcut
 from skiplock.plumbing.errors import Unhonoured, UsageError
 from skiplock.reports.fault_kinds import NAMES as FAULT_KIND_NAMES
-from skiplock.scenarios.provision import DSN_ENV, PgServer
-from skiplock.scenarios.spec import ScenarioSpec, SpecError, available, load
+from skiplock.scenarios.run.spec import ScenarioSpec, SpecError, available, load
+from skiplock.scenarios.servers.postgres import DSN_ENV, PgServer
 
 if TYPE_CHECKING:
-    from skiplock.scenarios.runner import RunOptions
+    from skiplock.scenarios.run.runner import RunOptions
 
 
 def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,7 +145,7 @@ def check_honoured(spec: ScenarioSpec, backend: str) -> None:
     from skiplock.queue_impl.bullmq_queue import GUARANTEES as BULLMQ
     from skiplock.queue_impl.interface import REFERENCE_GUARANTEES
     from skiplock.queue_impl.plugins import BACKEND_NAMES, REDIS_BACKENDS
-    from skiplock.scenarios.honoured import unhonoured
+    from skiplock.scenarios.run.honoured import unhonoured
 
     known = (REFERENCE_GUARANTEES if backend in BACKEND_NAMES
              else BULLMQ if backend in REDIS_BACKENDS else None)
@@ -163,7 +163,7 @@ def check_redis_url(backend: str, url: str | None) -> None:
         raise UsageError(f"--redis-url is for a Redis backend ({', '.join(REDIS_BACKENDS)}); "
                          f"backend {backend!r} does not use Redis: leave it out")
     if backend in REDIS_BACKENDS:
-        from skiplock.scenarios.provision_redis import REDIS_URL_ENV, check_reachable
+        from skiplock.scenarios.servers.redis import REDIS_URL_ENV, check_reachable
 
         if url is not None and not url.strip():
             raise UsageError("--redis-url is empty: give a URL such as redis://127.0.0.1:6379/0,"
@@ -220,7 +220,7 @@ def checked_server(args: argparse.Namespace) -> Iterator[PgServer]:
     names its own fresh schema when it starts (a factory opens nothing until `setup()`, as
     `QueueBackend` says, so the name only has to be valid)."""
     from skiplock.queue_impl.plugins import check_backend
-    from skiplock.scenarios.provision import postgres
+    from skiplock.scenarios.servers.postgres import postgres
 
     options = backend_options(args)
     with postgres(args.dsn, durable=True) as server:
@@ -245,7 +245,7 @@ def backend_options(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 
 def run_options(args: argparse.Namespace, seed: int, server: PgServer) -> RunOptions:
-    from skiplock.scenarios.runner import RunOptions
+    from skiplock.scenarios.run.runner import RunOptions
 
     return RunOptions(backend=args.backend, backend_options=backend_options(args),
                       seed=seed, out=args.out, dsn=args.dsn,
@@ -262,8 +262,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from skiplock.scenarios.progress import print_line
-    from skiplock.scenarios.runner import run_scenario
+    from skiplock.scenarios.run.progress import print_line
+    from skiplock.scenarios.run.runner import run_scenario
 
     spec, seed = resolve(args, args.scenario)
     console = Console(stderr=True, highlight=False)

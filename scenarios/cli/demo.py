@@ -19,7 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from skiplock.scenarios.cmd_run import (
+from skiplock.scenarios.cli.run import (
     add_scenario_arguments,
     backend_options,
     checked_server,
@@ -28,7 +28,7 @@ from skiplock.scenarios.cmd_run import (
     run_options,
     verdict_label,
 )
-from skiplock.scenarios.spec import ScenarioSpec, load, replay_command
+from skiplock.scenarios.run.spec import ScenarioSpec, load, replay_command
 
 # The demo's scenario: `steady` with this load and these faulty scripts mixed in, under its
 # own name, so that nothing calls it fault-free.
@@ -92,8 +92,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from skiplock.scenarios.progress import LiveProgress
-    from skiplock.scenarios.runner import run_scenario
+    from skiplock.scenarios.run.progress import LiveProgress
+    from skiplock.scenarios.run.runner import run_scenario
 
     user_overrides = list(args.overrides)
     is_demo = args.scenario == DEMO_BASE
@@ -172,7 +172,7 @@ _DESCRIPTIVE = ("enqueued", "delivered", "completed", "failed", "duplicate_expla
 
 def summary_table(run_dir: Path, verdict: Any, load_seconds: float,
                   http_timeout: float) -> Table:
-    from skiplock.scenarios.progress import LABELS
+    from skiplock.scenarios.run.progress import LABELS
 
     counts: dict[str, int] = dict(verdict.counts)
     lat = latencies(run_dir, http_timeout)

@@ -34,7 +34,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from skiplock.plumbing.errors import HarnessError, UsageError
 from skiplock.reports.selfdescribe import describe
-from skiplock.scenarios.provision import pg_binary, postgres
+from skiplock.scenarios.servers.postgres import pg_binary, postgres
 
 LEASE = timedelta(seconds=300)
 ENQUEUE_CHUNK = 5_000
@@ -170,11 +170,11 @@ def run(args: argparse.Namespace) -> int:
     params = validate(args)
     against = getattr(args, "against", None)
     if against == "pgqueuer":
-        from skiplock.scenarios.bench_pgqueuer import require_pgqueuer
+        from skiplock.scenarios.bench.pgqueuer import require_pgqueuer
 
         require_pgqueuer()  # said before anything runs
     elif against == "bullmq":
-        from skiplock.scenarios.bench_bullmq import require_bullmq
+        from skiplock.scenarios.bench.bullmq import require_bullmq
 
         require_bullmq()
     if getattr(args, "redis_url", None) is not None and against != "bullmq":
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
             redis = None
             if against == "bullmq":
                 # Reached before the PostgreSQL phases: a bad Redis URL is said at once.
-                from skiplock.scenarios.bench_bullmq import redis_for
+                from skiplock.scenarios.bench.bullmq import redis_for
 
                 redis = stack.enter_context(redis_for(args.redis_url, args.durability, _say))
             rounds = []
@@ -368,13 +368,13 @@ def _one_round(dsn: str, params: Params, against: str | None,
     result = measure(dsn, params)
     other: dict[str, Any] | None = None
     if against == "bullmq":
-        from skiplock.scenarios.bench_bullmq import bullmq_phase, redis_record
+        from skiplock.scenarios.bench.bullmq import bullmq_phase, redis_record
 
         other = {**bullmq_phase(redis.url, workers=params.workers, batch=params.batch,
                                 duration=params.duration, prefill=params.prefill, say=_say),
                  "redis": redis_record(redis)}
     elif against == "pgqueuer":
-        from skiplock.scenarios.bench_pgqueuer import pgqueuer_phase
+        from skiplock.scenarios.bench.pgqueuer import pgqueuer_phase
 
         other = pgqueuer_phase(dsn, workers=params.workers, batch=params.batch,
                                duration=params.duration, prefill=params.prefill, say=_say,

@@ -61,7 +61,7 @@ from skiplock.reports.history import (
     write_json,
 )
 from skiplock.reports.selfdescribe import describe
-from skiplock.scenarios.spec import ScenarioSpec, SpecError, from_mapping
+from skiplock.scenarios.run.spec import ScenarioSpec, SpecError, from_mapping
 
 # The order the kinds run in by default: every kind a scenario may name.
 DEFAULT_KINDS: tuple[str, ...] = NEMESIS_KINDS
@@ -395,7 +395,7 @@ def verdict_summary(verdict: Any) -> dict[str, Any]:
 def run_kind(kind: str, params: Params, *, server: Any, runs: Path) -> dict[str, Any]:
     """One kind's run, analysed from its directory. A harness failure is this kind's
     result (`error`), not the benchmark's end."""
-    from skiplock.scenarios.runner import RunOptions, run_scenario
+    from skiplock.scenarios.run.runner import RunOptions, run_scenario
 
     spec = spec_for(kind, params)
     row: dict[str, Any] = {"kind": kind, "planned_window_seconds": window_of(kind, spec),
@@ -537,7 +537,7 @@ def bench(params: Params, *, dsn: str | None, runs: Path, out: Path | None = Non
           say: Callable[[str], None] = print) -> dict[str, Any]:
     """Every kind's run on one server; the self-describing result, also written to `out`
     (when given) if the benchmark is interrupted or the server fails."""
-    from skiplock.scenarios.gate import gate_server
+    from skiplock.scenarios.run.gate import gate_server
 
     started = time.time()
     rows: list[dict[str, Any]] = []

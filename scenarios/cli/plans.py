@@ -6,8 +6,8 @@ jobs table to each of `--sizes` (10k, 100k, 1M and 10M jobs by default) with the
 realistic mix, and at each size measures the claim (wall time over several runs, and its
 executed plans: milliseconds, buffers, rows filtered out), recovery and the result write,
 with the queue's partial indexes, with plain indexes instead, under a snapshot held open
-while jobs churn, and vacuumed again (`skiplock.scenarios.plans` says how). The figures per claimed
-job, against table size, show which of these a claim's cost follows.
+while jobs churn, and vacuumed again (`skiplock.scenarios.bench.plans` says how). The figures
+per claimed job, against table size, show which of these a claim's cost follows.
 
 It writes `plans.json` (every figure, each fill's time and counts, the machine, versions and
 durability, and every executed plan in full), `plans.csv` (the table it prints) and
@@ -32,7 +32,7 @@ from skiplock.plumbing.argtypes import positive_int
 from skiplock.plumbing.errors import UsageError
 from skiplock.queue_impl.sqlfile import statements_and_sources
 from skiplock.reports.selfdescribe import describe
-from skiplock.scenarios.plans import (
+from skiplock.scenarios.bench.plans import (
     CHURN_CAP,
     CHURN_DIVISOR,
     CHURN_ROUNDS,
@@ -45,7 +45,7 @@ from skiplock.scenarios.plans import (
     Measurement,
     measure_sizes,
 )
-from skiplock.scenarios.provision import postgres
+from skiplock.scenarios.servers.postgres import postgres
 
 DEFAULT_SIZES = "10k,100k,1m,10m"
 MAX_SIZE = 100_000_000

@@ -67,7 +67,7 @@ from skiplock.reports.history import (
     EnqueueType,
     LogWriter,
 )
-from skiplock.scenarios.spec import Chooser, ScenarioSpec, from_mapping
+from skiplock.scenarios.run.spec import Chooser, ScenarioSpec, from_mapping
 
 
 class _EndedUserNote(logging.Filter):
@@ -342,7 +342,7 @@ def _cooperative_psycopg() -> None:
 
     if not gevent.monkey.is_module_patched("select"):
         raise RuntimeError(
-            "gevent has not patched select: import skiplock.scenarios.producers first")
+            "gevent has not patched select: import skiplock.scenarios.run.producers first")
     if psycopg.waiting.wait is getattr(psycopg.waiting, "wait_c", None):
         psycopg.waiting.wait = psycopg.waiting.wait_poll
 
@@ -357,7 +357,7 @@ def _wait_for_workers(master: MasterRunner, count: int, deadline: float) -> None
 
 if __name__ == "__main__":
     # Started by the runner through runpy with PRODUCER_CONFIG in the module's globals, or by
-    # hand: python -m skiplock.scenarios.producers CONFIG.json
+    # hand: python -m skiplock.scenarios.run.producers CONFIG.json
     _config = globals().get("PRODUCER_CONFIG")
     if _config is None:
         _config = json.loads(Path(sys.argv[1]).read_text())

@@ -42,9 +42,9 @@ from skiplock.queue_impl.plugins import (
     validate_backend_name,
 )
 from skiplock.reports.history import LOG_SUFFIX
-from skiplock.scenarios.cmd_run import backend_options
-from skiplock.scenarios.provision import DSN_ENV, postgres
-from skiplock.scenarios.workers import CrashLoop, WorkerPool, unique_prefix
+from skiplock.scenarios.cli.run import backend_options
+from skiplock.scenarios.run.workers import CrashLoop, WorkerPool, unique_prefix
+from skiplock.scenarios.servers.postgres import DSN_ENV, postgres
 
 
 def _failpoint(text: str) -> tuple[str, float]:

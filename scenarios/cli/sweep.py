@@ -50,8 +50,8 @@ from skiplock.reports.history import (
 )
 from skiplock.reports.objectives import Objectives
 from skiplock.reports.selfdescribe import describe
-from skiplock.scenarios.cpu import cpu_by_process, machine_cpu
-from skiplock.scenarios.spec import SpecError
+from skiplock.scenarios.bench.cpu import cpu_by_process, machine_cpu
+from skiplock.scenarios.run.spec import SpecError
 
 DELIVERED_SHARE = 0.9  # of the offered rate, for a step to meet the objective
 BACKLOG_GROWTH_SECONDS = 0.5  # of load: more growth than this is a backlog that grows
@@ -94,8 +94,8 @@ def parse_rates(text: str) -> tuple[float, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from skiplock.scenarios import spec as spec_mod
-    from skiplock.scenarios.provision import postgres
+    from skiplock.scenarios.run import spec as spec_mod
+    from skiplock.scenarios.servers.postgres import postgres
 
     rates = parse_rates(args.rates)
     for name in ("step", "p99"):
@@ -176,7 +176,7 @@ class _Stepper:
             step["superseded"] = True
 
     def _run(self, rate: float) -> dict[str, Any]:
-        from skiplock.scenarios.runner import RunOptions, run_scenario
+        from skiplock.scenarios.run.runner import RunOptions, run_scenario
 
         # A sweep looks for where the queue stops keeping up: its own objective (`--p99`)
         # judges each step, not the scenario's, which the steps past the knee would miss.
@@ -253,7 +253,7 @@ def _judged(steps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def measure_step(run_dir: Path, *, objective: float) -> dict[str, Any]:
-    from skiplock.scenarios.bench_recovery import load_window, read_deliveries
+    from skiplock.scenarios.bench.recovery import load_window, read_deliveries
 
     spec_json = read_json(run_dir / SPEC_FILE)
     run_json = read_json(run_dir / RUN_FILE)
