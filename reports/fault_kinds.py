@@ -85,6 +85,10 @@ FAULT_KINDS: tuple[FaultKind, ...] = (
     FaultKind("exhaust_pool", "idle sessions fill the server's connection slots", "database",
               lasting=True, default_duration=_seconds(3.0), shortcut_interval=6.0,
               postgres=True, stops_every_worker=True),
+    FaultKind("cancel_statements", "pg_cancel_backend on every statement the queue runs, as a "
+              "statement_timeout would", "database", lasting=True,
+              default_duration=_seconds(2.0), shortcut_interval=5.0, postgres=True,
+              stops_every_worker=True),
 )
 BY_NAME: dict[str, FaultKind] = {kind.name: kind for kind in FAULT_KINDS}
 NAMES: tuple[str, ...] = tuple(BY_NAME)

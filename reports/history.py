@@ -251,18 +251,9 @@ def worker_event_record(kind: str, worker: str, time: float, fields: Mapping[str
     }
 
 
-FaultKind = Literal[
-    "kill_worker",  # SIGKILL a worker mid-lease
-    "crash_after_claim",  # failpoint: die after claim, before HTTP
-    "crash_after_http",  # failpoint: die after a successful HTTP call, before the DB write
-    "hang_target",  # the target holds requests past the HTTP timeout
-    "kill_target",  # SIGKILL an echo target, restarted on its address at the end
-    "pause_worker",  # SIGSTOP past the lease, then SIGCONT
-    "terminate_backends",  # pg_terminate_backend on the queue's connections
-    "restart_postgres",  # stop and start the server the harness owns
-    "pin_xmin",  # an idle transaction holding back xmin
-    "exhaust_pool",  # connections held until the pool is exhausted
-]
+# The name of a row of `skiplock.reports.fault_kinds`, which the checker holds every recorded
+# fault to when it reads a history: the table is the one list of them.
+FaultKind = str
 
 
 @dataclass(frozen=True, kw_only=True)

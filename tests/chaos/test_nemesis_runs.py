@@ -4,11 +4,13 @@ that replaces the dead, and the checker's account of every duplicate they cause.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
+from skiplock.chaos.nemesis import shortcut
 from skiplock.reports.history import NEMESIS_FILE, WORKERS_DIR, read_jsonl
 from skiplock.scenarios.run import spec as spec_mod
 from skiplock.scenarios.run.runner import RunOptions, RunResult, run_scenario
@@ -66,6 +68,24 @@ def test_kill_workers_is_valid_with_every_duplicate_explained_by_its_kill(
     assert verdict.counts["duplicate_unexplained"] == 0
     for example in verdict.examples.get("duplicate_explained", []):
         assert "kill_worker" in example["why"] or "timeout" in example["why"], example
+
+
+def test_cancelled_statements_are_rolled_back_and_the_run_stays_valid(
+        pg_dsn: str, tmp_path: Path) -> None:
+    """Claims, renewals and result writes cancelled inside their transactions: the workers
+    go on with the same sessions, and every job is still delivered."""
+    spec = spec_mod.load("steady", ["duration=4", "warmup=0.5", "rate=80"])
+    spec = dataclasses.replace(spec, nemesis=shortcut("cancel_statements")).validate()
+    result = run_scenario(spec, RunOptions(seed=3, out=tmp_path, dsn=pg_dsn,
+                                           worker_logs_to_files=True))
+    assert result.info.drained, result.info.exit_reason
+    assert result.verdict.valid is True, result.verdict.examples
+    [fault, *_] = [f for f in read_jsonl(result.run_dir / NEMESIS_FILE) if not f["skipped"]]
+    assert fault["fault"] == "cancel_statements"
+    assert fault["data"]["cancelled"] > 0, "nothing was cancelled: the test exercised nothing"
+    cancelled = [e for e in worker_events(result.run_dir)
+                 if e["kind"] == "error" and "QueryCanceled" in e.get("error", "")]
+    assert cancelled, "no worker saw a cancelled statement"
 
 
 def test_pause_workers_fences_the_late_writes_and_has_no_stale_write(

@@ -22,9 +22,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from skiplock.chaos import nemesis_db
-from skiplock.chaos.nemesis import Fault, FaultSkipped, PlannedFault, TargetHandle
-from skiplock.chaos.nemesis_db import (
+from skiplock.chaos.faults import database as nemesis_db
+from skiplock.chaos.faults.cancel_statements import CANCEL_APPLICATION_NAME, CancelStatements
+from skiplock.chaos.faults.database import (
     EXHAUST_APPLICATION_NAME,
     PIN_APPLICATION_NAME,
     ExhaustPool,
@@ -33,6 +33,7 @@ from skiplock.chaos.nemesis_db import (
     TerminateBackends,
     like_prefix,
 )
+from skiplock.chaos.nemesis import Fault, FaultSkipped, PlannedFault, TargetHandle
 from skiplock.scenarios.servers.postgres import DSN_ENV, PgServer, fresh_database, postgres
 
 pytestmark = pytest.mark.integration
@@ -177,6 +178,27 @@ def test_terminate_backends_aimed_at_commits_ends_claims_as_they_commit(
         assert alive(idle)
     assert fault.data["terminated"] == 3 and errors >= 1
     assert fault.data["phase"] == "commit" and fault.data["polls"] > 0
+
+
+# --- cancel_statements -----------------------------------------------------------------------
+
+
+def test_cancel_statements_cancels_running_statements_and_leaves_the_session(
+        db_dsn: str) -> None:
+    prefix = f"skiplock-sut-s_{uuid.uuid4().hex[:8]}-"
+    with connect(db_dsn, prefix + "worker-1") as victim, \
+            connect(db_dsn, "skiplock-harness-other") as harness:
+        fault = make(CancelStatements, FakeContext(dsn=db_dsn, app_prefix=prefix))
+        assert fault.apply() == ["postgres"]
+        try:
+            with pytest.raises(psycopg.errors.QueryCanceled):
+                victim.execute("SELECT pg_sleep(5)")
+            harness.execute("SELECT pg_sleep(0.2)")  # the harness's own are never hit
+        finally:
+            fault.heal()
+        assert fault.data["cancelled"] >= 1
+        assert alive(victim)  # cancelled, not terminated: the session goes on
+    assert backends_named(db_dsn, CANCEL_APPLICATION_NAME) == 0  # healed: its session closed
 
 
 # --- pin_xmin --------------------------------------------------------------------------------

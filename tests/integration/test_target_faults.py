@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from skiplock.chaos.faults.target import HangTarget, KillTarget
 from skiplock.chaos.nemesis import (
     FaultSkipped,
     PlannedFault,
@@ -25,7 +26,6 @@ from skiplock.chaos.nemesis import (
     TargetHandle,
     registry,
 )
-from skiplock.chaos.nemesis_target import HangTarget, KillTarget
 from skiplock.chaos.target import TargetProcess
 from skiplock.queue_impl.interface import ATTEMPT_HEADER, JOB_ID_HEADER, WORKER_HEADER
 from skiplock.reports.history import DELIVERY_LOG, Behaviour, FaultEvent, JobScript, Step, read_log

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from skiplock.chaos import nemesis, nemesis_worker
+from skiplock.chaos import nemesis
+from skiplock.chaos.faults import worker as nemesis_worker
 from skiplock.chaos.nemesis import (
     HeldLease,
     NemesisError,
@@ -264,7 +265,7 @@ def test_every_kind_has_a_fault_class() -> None:
 
 
 def test_last_attempts_are_those_at_max_attempts_of_jobs_that_fail_every_attempt() -> None:
-    from skiplock.chaos.nemesis_worker import last_attempts
+    from skiplock.chaos.faults.worker import last_attempts
 
     held = {
         "w-1": {("hang", 3): 10.0, ("hang-early", 2): 10.0},  # a last attempt, and not
@@ -295,7 +296,7 @@ def _enqueue_log(run_dir: Path, scripts: dict[str, Any], *, cut_last: bool = Fal
 
 
 def test_exhausting_jobs_come_from_the_oracles_as_the_enqueue_log_grows(tmp_path: Path) -> None:
-    from skiplock.chaos.nemesis_worker import ExhaustingJobs
+    from skiplock.chaos.faults.worker import ExhaustingJobs
 
     scripts = spec_mod.load("faulty-targets").scripts()
     jobs = ExhaustingJobs(tmp_path, http_timeout_seconds=1.0)
@@ -308,7 +309,7 @@ def test_exhausting_jobs_come_from_the_oracles_as_the_enqueue_log_grows(tmp_path
 
 
 def test_a_half_written_enqueue_line_waits_for_its_rest(tmp_path: Path) -> None:
-    from skiplock.chaos.nemesis_worker import ExhaustingJobs
+    from skiplock.chaos.faults.worker import ExhaustingJobs
 
     scripts = spec_mod.load("faulty-targets").scripts()
     _enqueue_log(tmp_path, {"j-1": scripts["always_hang"]}, cut_last=True)

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from skiplock.chaos import nemesis_worker
+from skiplock.chaos.faults import worker as nemesis_worker
+from skiplock.chaos.faults.worker import reclaim_in_flight
 from skiplock.chaos.nemesis import (
     HeldLease,
     NemesisError,
@@ -18,7 +19,6 @@ from skiplock.chaos.nemesis import (
     plan,
     spec_from_mapping,
 )
-from skiplock.chaos.nemesis_worker import reclaim_in_flight
 from skiplock.reports.checker.common import DEFAULT_TOLERANCE_SECONDS
 from skiplock.reports.history import WORKER_LOG, LogWriter
 from skiplock.scenarios.run import spec as spec_mod

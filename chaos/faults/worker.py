@@ -284,7 +284,7 @@ class PauseWorker(Fault):
         says how long ago, so no clock is shared with it)."""
         import psycopg
 
-        from skiplock.chaos.nemesis_db import like_prefix
+        from skiplock.chaos.faults.database import like_prefix
 
         since = time.time() - opened + 0.05
         with psycopg.connect(self.ctx.dsn, autocommit=True, connect_timeout=2,
