@@ -161,38 +161,20 @@ def recovery_time(
     if not load_start <= fault_start < load_end:
         raise RecoveryError(f"the fault at {fault_start:.3f} is not inside the load "
                             f"[{load_start:.3f}, {load_end:.3f})")
-    n_bins = math.floor((load_end - load_start) / bin_seconds + 1e-9)
-    per_window = max(1, round(window_seconds / bin_seconds))
+    rates, ends, rolling = _binned_rates(times, load_start, load_end, bin_seconds,
+                                         window_seconds)
+    n_bins = len(ends)
     per_hold = round(hold_seconds / bin_seconds)
-    t = np.asarray(times, dtype=np.float64)
-    index = np.floor((t - load_start) / bin_seconds).astype(np.int64)
-    inside = index[(index >= 0) & (index < n_bins)]
-    counts = pd.Series(inside).value_counts().reindex(range(n_bins), fill_value=0)
-    rates = counts.sort_index().astype(np.float64) / bin_seconds
-    ends = load_start + bin_seconds * (np.arange(n_bins, dtype=np.float64) + 1.0)
-    rolling = rates.rolling(per_window, min_periods=per_window).mean()
-    # The level is taken from the rolling rate, not the bins: a constant-rate producer's
-    # pacing makes the bins uneven (at 60/s they read 64, 64, 64, 48 in turn), so their
-    # median would overstate the level.
-    before = rolling[(ends <= fault_start + 1e-9) & rolling.notna().to_numpy()]
-    if before.empty:
-        raise RecoveryError(f"no whole {window_seconds:g} s window of load before the fault")
-    level = float(before.median())
-    if level <= 0:
-        raise RecoveryError("nothing was delivered before the fault: no pre-fault rate")
+    level = _pre_fault_level(rolling, ends, fault_start, window_seconds)
     good = (rolling >= threshold * level).to_numpy()
     rolled = rolling.notna().to_numpy()
     after = [i for i in range(n_bins) if ends[i] >= fault_start and rolled[i]]
-
-    def holds(i: int) -> bool:
-        stop = i + per_hold
-        return stop < n_bins and bool(good[i:stop + 1].all())
 
     if not after or ends[-1] - fault_start < hold_seconds - 1e-9:
         raise RecoveryError(f"less than {hold_seconds:g} s of load after the fault")
     drop = next((i for i in after if not good[i]), None)
     recovered_at = None if drop is None else next(
-        (i for i in after if i > drop and holds(i)), None)
+        (i for i in after if i > drop and _holds(good, i, per_hold)), None)
     if drop is None:
         recovery: float | None = 0.0
     elif recovered_at is None:
@@ -211,6 +193,42 @@ def recovery_time(
         rates=tuple(float(r) for r in rates),
         rolling=tuple(None if math.isnan(r) else float(r) for r in rolling),
     )
+
+
+def _binned_rates(times: npt.ArrayLike, load_start: float, load_end: float, bin_seconds: float,
+                  window_seconds: float) -> tuple[pd.Series[float], npt.NDArray[np.float64],
+                                                  pd.Series[float]]:
+    """The rate in each whole bin of the load, each bin's end, and the rolling rate over the
+    `window_seconds` up to each end (NaN until a whole window has passed)."""
+    n_bins = math.floor((load_end - load_start) / bin_seconds + 1e-9)
+    per_window = max(1, round(window_seconds / bin_seconds))
+    t = np.asarray(times, dtype=np.float64)
+    index = np.floor((t - load_start) / bin_seconds).astype(np.int64)
+    inside = index[(index >= 0) & (index < n_bins)]
+    counts = pd.Series(inside).value_counts().reindex(range(n_bins), fill_value=0)
+    rates = counts.sort_index().astype(np.float64) / bin_seconds
+    ends = load_start + bin_seconds * (np.arange(n_bins, dtype=np.float64) + 1.0)
+    return rates, ends, rates.rolling(per_window, min_periods=per_window).mean()
+
+
+def _holds(good: npt.NDArray[np.bool_], i: int, per_hold: int) -> bool:
+    """Whether the rate is good from bin `i` through the `per_hold` bins after it."""
+    stop = i + per_hold
+    return stop < len(good) and bool(good[i:stop + 1].all())
+
+
+def _pre_fault_level(rolling: pd.Series[float], ends: npt.NDArray[np.float64],
+                     fault_start: float, window_seconds: float) -> float:
+    # The level is taken from the rolling rate, not the bins: a constant-rate producer's
+    # pacing makes the bins uneven (at 60/s they read 64, 64, 64, 48 in turn), so their
+    # median would overstate the level.
+    before = rolling[(ends <= fault_start + 1e-9) & rolling.notna().to_numpy()]
+    if before.empty:
+        raise RecoveryError(f"no whole {window_seconds:g} s window of load before the fault")
+    level = float(before.median())
+    if level <= 0:
+        raise RecoveryError("nothing was delivered before the fault: no pre-fault rate")
+    return level
 
 
 # --------------------------------------------------------------------------------------------
@@ -533,6 +551,40 @@ def _line(cells: Sequence[str]) -> str:
                      for c, (_, w) in zip(cells, COLUMNS, strict=True)).rstrip()
 
 
+# What each figure of the result means, written into the result itself.
+DEFINITIONS = {
+    "rate": "jobs per second whose first 2xx answered within the HTTP timeout "
+            "was received by the echo target (deliveries/*.csv, `received`)",
+    "pre_fault_rate": "median rolling 1 s rate (mean of four 250 ms bins) over "
+                      "the load before the fault",
+    "recovery_seconds": "from the fault's start (nemesis.jsonl) until the "
+                        "rolling 1 s rate, after first falling below 90% of the "
+                        "pre-fault rate, is back at or above it for 1 s; 0 when "
+                        "it never fell below; null when not back before the load "
+                        "ended",
+    "dip": "lowest rolling 1 s rate from the fault until recovery is confirmed, "
+           "over the pre-fault rate",
+    "jobs_duplicated": "jobs the target answered 2xx more than once",
+    "slowest_job_seconds": "longest wait from an acknowledged enqueue to the "
+                           "job's first timely 2xx (enqueues.csv, deliveries)",
+}
+
+
+def _parameters(params: Params, runs: Path) -> dict[str, Any]:
+    return {
+        **dataclasses.asdict(params),
+        "kinds": list(params.kinds),
+        "workload": {k: v for k, v in BASE.items() if k not in ("name", "description")}
+        | {"rate": params.rate, "workers": params.workers, "duration": params.duration},
+        "fault_entries": {k: fault_entry(k, params.fault_at) for k in params.kinds},
+        "bin_seconds": BIN_SECONDS,
+        "rolling_window_seconds": WINDOW_SECONDS,
+        "threshold": THRESHOLD,
+        "hold_seconds": HOLD_SECONDS,
+        "runs": str(runs),
+    }
+
+
 def bench(params: Params, *, dsn: str | None, runs: Path, out: Path | None = None,
           say: Callable[[str], None] = print) -> dict[str, Any]:
     """Every kind's run on one server; the self-describing result, also written to `out`
@@ -570,42 +622,11 @@ def bench(params: Params, *, dsn: str | None, runs: Path, out: Path | None = Non
         interrupted = True
         raise
     finally:
-        doc |= {
-            "finished": time.time(),
-            # Beside machine.load_average at the start: the cores may be shared.
-            "load_average_at_finish": [round(x, 2) for x in os.getloadavg()],
-            "interrupted": interrupted,
-            "parameters": {
-                **dataclasses.asdict(params),
-                "kinds": list(params.kinds),
-                "workload": {k: v for k, v in BASE.items() if k not in ("name", "description")}
-                | {"rate": params.rate, "workers": params.workers,
-                   "duration": params.duration},
-                "fault_entries": {k: fault_entry(k, params.fault_at) for k in params.kinds},
-                "bin_seconds": BIN_SECONDS,
-                "rolling_window_seconds": WINDOW_SECONDS,
-                "threshold": THRESHOLD,
-                "hold_seconds": HOLD_SECONDS,
-                "runs": str(runs),
-            },
-            "definitions": {
-                "rate": "jobs per second whose first 2xx answered within the HTTP timeout "
-                        "was received by the echo target (deliveries/*.csv, `received`)",
-                "pre_fault_rate": "median rolling 1 s rate (mean of four 250 ms bins) over "
-                                  "the load before the fault",
-                "recovery_seconds": "from the fault's start (nemesis.jsonl) until the "
-                                    "rolling 1 s rate, after first falling below 90% of the "
-                                    "pre-fault rate, is back at or above it for 1 s; 0 when "
-                                    "it never fell below; null when not back before the load "
-                                    "ended",
-                "dip": "lowest rolling 1 s rate from the fault until recovery is confirmed, "
-                       "over the pre-fault rate",
-                "jobs_duplicated": "jobs the target answered 2xx more than once",
-                "slowest_job_seconds": "longest wait from an acknowledged enqueue to the "
-                                       "job's first timely 2xx (enqueues.csv, deliveries)",
-            },
-            "results": rows,
-        }
+        doc |= {"finished": time.time(),
+                # Beside machine.load_average at the start: the cores may be shared.
+                "load_average_at_finish": [round(x, 2) for x in os.getloadavg()],
+                "interrupted": interrupted, "parameters": _parameters(params, runs),
+                "definitions": DEFINITIONS, "results": rows}
         if out is not None:
             write_json(out, doc)
             say(f"written: {out}")

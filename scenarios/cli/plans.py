@@ -174,15 +174,6 @@ def run(args: argparse.Namespace) -> int:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UsageError(f"--out {out}: cannot create it ({exc.strerror})") from None
-        durability = {
-            "tables": "logged (no UNLOGGED table)",
-            "synchronous_commit": settings["synchronous_commit"],
-            "fsync": settings["fsync"],
-            "full_page_writes": settings["full_page_writes"],
-            "durable": settings["durable"],
-            "session_settings": SESSION_SETTINGS,
-            "autovacuum_on_jobs": "off (so the bloat measured is the bloat made)",
-        }
         _say(f"estimate for {max(sizes):,} jobs: {estimate(sizes)}")
         _say(f"plans: sizes {', '.join(_short(n) for n in sizes)} jobs; batch {args.batch}, "
              f"up to {args.repeat} timed claims per variant; server {server.kind} "
@@ -196,13 +187,8 @@ def run(args: argparse.Namespace) -> int:
                                repeat=args.repeat, say=_say)
         wall_seconds = time.perf_counter() - started
         doc = {"benchmark": "plans", "finished_at": datetime.now(UTC).isoformat(),
-               "wall_seconds": round(wall_seconds, 1),
-               "params": {"sizes": sizes, "batch": args.batch, "repeat": args.repeat,
-                          "sql": args.sql, "claim_budget_seconds": CLAIM_BUDGET_SECONDS,
-                          "recover_limit": RECOVER_LIMIT,
-                          "churn": {"share_of_table": 1 / CHURN_DIVISOR, "cap": CHURN_CAP,
-                                    "rounds": CHURN_ROUNDS}},
-               "mix": [asdict(s) for s in SEGMENTS], "durability": durability,
+               "wall_seconds": round(wall_seconds, 1), "params": _params(args, sizes),
+               "mix": [asdict(s) for s in SEGMENTS], "durability": _durability(settings),
                "postgres": settings, "server": {"kind": server.kind, "dsn": server.display},
                **describe(server.dsn), "isolation": result.isolation,
                "database": result.database, "schema": result.schema,
@@ -221,6 +207,25 @@ def run(args: argparse.Namespace) -> int:
     _say(f"fill time per size (INSERTs; VACUUM apart): {fills}; whole run {wall_seconds:.0f} s")
     _say(f"written: {out / 'plans.json'}, {out / 'plans.csv'}, {out / 'plans.png'}")
     return 0
+
+
+def _params(args: argparse.Namespace, sizes: tuple[int, ...]) -> dict[str, Any]:
+    return {"sizes": sizes, "batch": args.batch, "repeat": args.repeat, "sql": args.sql,
+            "claim_budget_seconds": CLAIM_BUDGET_SECONDS, "recover_limit": RECOVER_LIMIT,
+            "churn": {"share_of_table": 1 / CHURN_DIVISOR, "cap": CHURN_CAP,
+                      "rounds": CHURN_ROUNDS}}
+
+
+def _durability(settings: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "tables": "logged (no UNLOGGED table)",
+        "synchronous_commit": settings["synchronous_commit"],
+        "fsync": settings["fsync"],
+        "full_page_writes": settings["full_page_writes"],
+        "durable": settings["durable"],
+        "session_settings": SESSION_SETTINGS,
+        "autovacuum_on_jobs": "off (so the bloat measured is the bloat made)",
+    }
 
 
 def _record(m: Measurement) -> dict[str, Any]:
