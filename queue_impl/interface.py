@@ -219,6 +219,29 @@ class ClaimCommitHook(Protocol):
 
 
 @runtime_checkable
+class HeartbeatLease(Protocol):
+    """A queue whose lease is a heartbeat (pgqueuer's `heartbeat_timeout`): a pick stays its
+    worker's while its last heartbeat is younger than the lease, and any worker may pick it
+    again after. With `heartbeat_lease` true the checker measures each pick's lease from
+    when its claim or last heartbeat was *sent* (the `started` of its `claim` and `renew`
+    events, which `NativeDelivery` records; the database stamps the heartbeat no earlier),
+    not from when the worker recorded it returning, which a worker paused between the two
+    records late, making a legitimate re-pick look like `concurrent_delivery`."""
+
+    @property
+    def heartbeat_lease(self) -> bool: ...
+
+
+LeaseKind = Literal["renewal", "heartbeat"]
+
+
+def lease_kind(queue: object) -> LeaseKind:
+    """How `queue`'s lease runs, as spec.json records it (`lease`) for the checker."""
+    return ("heartbeat" if isinstance(queue, HeartbeatLease) and queue.heartbeat_lease
+            else "renewal")
+
+
+@runtime_checkable
 class QueueBackend(Protocol):
     """A job queue as the harness drives it.
 
