@@ -311,12 +311,13 @@ class RunsOwnWorker(Protocol):
     a `skiplock.queue_impl.native.NativeDelivery` (the same SSRF guard, timeout, identity headers,
     failpoints and worker events as the dispatcher's) and returns once `stop` is set and the
     jobs it holds are finished. `claim`, `finish`, `renew`, `release` and `recover` are then
-    never called by the harness."""
+    never called by the harness. `config` is a `skiplock.queue_impl.native.NativeConfig`: the
+    dispatcher's settings with the run's accounts, their limits and `max_attempts`."""
 
     async def run_worker(self, config: Any, worker_id: str, sink: Any,
                          stop: Any) -> None:
-        """Consume jobs until `stop` (an asyncio.Event) is set; write `start` and `stop`
-        worker events through `sink`."""
+        """Consume jobs until `stop` (an asyncio.Event) is set, inside `NativeDelivery`
+        (entered with `sink`), which writes the worker's `start` and `stop` events."""
 
 
 @runtime_checkable
