@@ -113,6 +113,8 @@ def test_pause_workers_on_pgqueuer_drops_only_the_claim_phase_pause(pg_dsn: str,
     assert all((f.get("data") or {}).get("phase") != "claim" for f in pauses)
     # The library's own logging went to the run's logs/, one file per worker.
     assert sorted(p.name for p in (run_dir / "logs").iterdir())
+    # Judged, whatever the verdict: a worker woken after its pick's heartbeat ran out still
+    # delivers the job pgqueuer gave another worker meanwhile (a finding, not asserted away).
     verdict = json.loads((run_dir / "verdict.json").read_text())
-    assert done.returncode == 0, (verdict["valid"], verdict.get("unknown_reasons"),
-                                  {k: v for k, v in verdict["counts"].items() if v})
+    assert done.returncode in (0, 1, 3), said[-3000:]
+    assert verdict["counts"]["enqueued"] > 0
