@@ -26,7 +26,6 @@ How BullMQ's notions map onto the reference's:
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import uuid
 from collections.abc import Coroutine, Mapping
@@ -35,12 +34,18 @@ from typing import Any
 
 from skiplock.queue_impl.dispatcher import DispatcherConfig, EventSink
 from skiplock.queue_impl.interface import Lease, Outcome
-from skiplock.queue_impl.native import NativeDelivery, cancel_leftovers, lease_token_of
+from skiplock.queue_impl.native import (
+    NativeDelivery,
+    WriteRefused,
+    cancel_leftovers,
+    lease_token_of,
+)
 
-# BullMQ's errors when a job's end cannot be written because this worker's pick is no longer
-# the job's (its lock expired and another pick, or the stall check, moved it): the script
-# refused and changed nothing, as a fenced write does.
-_FENCED_ERRORS = ("Missing lock for job", "Lock mismatch for job", "Missing key for job")
+# BullMQ's answers to a result write when this worker's pick is no longer the job's (its lock
+# expired and another pick, or the stall check, moved it): the script refused and changed
+# nothing, as a fenced write does. (Job not there, lock not there, lock not this pick's.)
+_REFUSED_CODES = frozenset({-1, -2, -6})
+_WRITE_SCRIPTS = ("moveToFinished", "moveToDelayed", "retryJob")
 
 
 class TransientFailure(Exception):
@@ -88,9 +93,22 @@ def lease_of(job: Any, token: str, config: DispatcherConfig, worker_id: str) -> 
     )
 
 
-def write_refused(err: Any) -> bool:
-    """Whether BullMQ's error says the job's end was refused, not lost in transit."""
-    return str(err).startswith(_FENCED_ERRORS)
+def refusals_raised(scripts: Any) -> None:
+    """Make BullMQ's result-writing scripts raise `WriteRefused` when the script answers with
+    a refusal code: a write is told fenced by what the script did, not by the text of the
+    error BullMQ would make of it."""
+    for name in _WRITE_SCRIPTS:
+        command = scripts.commands[name]
+
+        async def checked(*args: Any, _command: Any = command, _name: str = name,
+                          **kwargs: Any) -> Any:
+            answer = await _command(*args, **kwargs)
+            if isinstance(answer, int) and answer in _REFUSED_CODES:
+                raise WriteRefused(f"{_name} refused (code {answer}): the job's lock is no "
+                                   "longer this pick's")
+            return answer
+
+        scripts.commands[name] = checked
 
 
 async def run_bullmq_worker(url: str, queue_name: str, config: DispatcherConfig,
@@ -130,7 +148,7 @@ async def run_bullmq_worker(url: str, queue_name: str, config: DispatcherConfig,
             # failed; the write may or may not have happened). Without a job it is the
             # loop's own error (a fetch, a lock extension, the stall check).
             text = " ".join(str(err).split()) or type(err).__name__
-            result = "fenced" if write_refused(err) else "info"
+            result = "fenced" if isinstance(err, WriteRefused) else "info"
             if job is None or not delivery.written(id(job), result, text):
                 delivery.error("bullmq", f"{type(err).__name__}: {text}")
 
@@ -143,8 +161,7 @@ async def run_bullmq_worker(url: str, queue_name: str, config: DispatcherConfig,
         worker.on("completed", completed)
         worker.on("failed", failed)
         worker.on("error", failed_to_write)
-        sink("start", {"pid": os.getpid()})
-        await run_until(worker, stop, sink)
+        await run_until(worker, stop)
 
 
 def recording_worker(worker_class: type[Any], delivery: NativeDelivery,
@@ -154,6 +171,10 @@ def recording_worker(worker_class: type[Any], delivery: NativeDelivery,
     the same scripts in one pipeline and ignores their answers."""
 
     class RecordingWorker(worker_class):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            refusals_raised(self.scripts)
+
         async def extendLocks(self) -> None:
             held = list(self.jobs)
             # The leases as they are now: a job's attemptsMade grows once it completes,
@@ -174,33 +195,26 @@ def recording_worker(worker_class: type[Any], delivery: NativeDelivery,
     return RecordingWorker
 
 
-async def run_until(worker: Any, stop: asyncio.Event, sink: EventSink) -> None:
+async def run_until(worker: Any, stop: asyncio.Event) -> None:
     """Run `worker` until `stop`; then close it (it stops fetching, and the jobs it holds
     finish and are written). A loop that ends by itself first (BullMQ's loop returns on an
-    error it only prints) is an error, raised once the worker is closed. The `stop` event
-    says why, whatever happened."""
-    reason = "stopped"
+    error it only prints) is an error, raised once the worker is closed: the `stop` event
+    (`NativeDelivery`'s) says so."""
     loop = asyncio.ensure_future(worker.run())
     stopping = asyncio.ensure_future(stop.wait())
+    failure: BaseException | None = None
     try:
         await asyncio.wait({loop, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if loop.done():
             failure = loop.exception() or RuntimeError(
                 "BullMQ's worker loop ended before it was stopped")
-            reason = f"error: {type(failure).__name__}: {' '.join(str(failure).split())}"
-            raise failure
-    except BaseException as exc:
-        if reason == "stopped":
-            reason = f"error: {type(exc).__name__}"
-        raise
     finally:
         stopping.cancel()
-        try:
-            await worker.close()
-            if not loop.done():
-                await loop
-        finally:
-            sink("stop", {"reason": reason})
+        await worker.close()
+        if not loop.done():
+            await loop
+    if failure is not None:
+        raise failure
 
 
 def quiet_redis_finalizers() -> None:

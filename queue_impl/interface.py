@@ -219,6 +219,29 @@ class ClaimCommitHook(Protocol):
 
 
 @runtime_checkable
+class HeartbeatLease(Protocol):
+    """A queue whose lease is a heartbeat (pgqueuer's `heartbeat_timeout`): a pick stays its
+    worker's while its last heartbeat is younger than the lease, and any worker may pick it
+    again after. With `heartbeat_lease` true the checker measures each pick's lease from
+    when its claim or last heartbeat was *sent* (the `started` of its `claim` and `renew`
+    events, which `NativeDelivery` records; the database stamps the heartbeat no earlier),
+    not from when the worker recorded it returning, which a worker paused between the two
+    records late, making a legitimate re-pick look like `concurrent_delivery`."""
+
+    @property
+    def heartbeat_lease(self) -> bool: ...
+
+
+LeaseKind = Literal["renewal", "heartbeat"]
+
+
+def lease_kind(queue: object) -> LeaseKind:
+    """How `queue`'s lease runs, as spec.json records it (`lease`) for the checker."""
+    return ("heartbeat" if isinstance(queue, HeartbeatLease) and queue.heartbeat_lease
+            else "renewal")
+
+
+@runtime_checkable
 class QueueBackend(Protocol):
     """A job queue as the harness drives it.
 
@@ -288,12 +311,13 @@ class RunsOwnWorker(Protocol):
     a `skiplock.queue_impl.native.NativeDelivery` (the same SSRF guard, timeout, identity headers,
     failpoints and worker events as the dispatcher's) and returns once `stop` is set and the
     jobs it holds are finished. `claim`, `finish`, `renew`, `release` and `recover` are then
-    never called by the harness."""
+    never called by the harness. `config` is a `skiplock.queue_impl.native.NativeConfig`: the
+    dispatcher's settings with the run's accounts, their limits and `max_attempts`."""
 
     async def run_worker(self, config: Any, worker_id: str, sink: Any,
                          stop: Any) -> None:
-        """Consume jobs until `stop` (an asyncio.Event) is set; write `start` and `stop`
-        worker events through `sink`."""
+        """Consume jobs until `stop` (an asyncio.Event) is set, inside `NativeDelivery`
+        (entered with `sink`), which writes the worker's `start` and `stop` events."""
 
 
 @runtime_checkable

@@ -145,6 +145,7 @@ def _build(factory: Factory, name: str, dsn: str | None, schema: str,
     """Call a plug-in's factory; whatever goes wrong is one line naming the factory."""
     call = "factory(dsn=..., schema=..., sql_path=..." + "".join(
         f", {key}=..." for key, _ in options) + ")"
+    check_schema_name(schema)
     try:
         backend = factory(dsn=dsn, schema=schema, sql_path=sql_path, **dict(options))
     except TypeError as exc:
@@ -202,6 +203,50 @@ def check_backend(name: str, *, dsn: str | None, schema: str,
         ) from exc
     if local:
         raise _not_shared(name)
+
+
+_SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def check_schema_name(schema: str) -> None:
+    """Refuse a schema name a plug-in could not use unquoted (in `search_path`, in its own
+    statements): ValueError with one line. Checked before any factory is called."""
+    if not _SCHEMA_NAME.match(schema):
+        raise ValueError(f"schema {schema!r}: use lower-case letters, digits and '_' "
+                         "(at most 63, not starting with a digit)")
+
+
+def asyncpg_params(dsn: str) -> dict[str, Any]:
+    """libpq's reading of the DSN (a URI or key=value pairs) as asyncpg's keywords, for a
+    plug-in whose library connects with asyncpg (which reads URIs only)."""
+    params = conninfo_to_dict(dsn)
+    names = {"host": "host", "port": "port", "user": "user", "password": "password",
+             "dbname": "database"}
+    found: dict[str, Any] = {names[k]: v for k, v in params.items() if k in names and v}
+    if "port" in found:
+        found["port"] = int(found["port"])
+    return found
+
+
+class SchemaConnection:
+    """A plug-in's one connection in its process: psycopg, autocommit, opened on first use
+    (after the process started) with `search_path` set to the run's schema, opened again
+    after it broke (a fault may cut it). Built as `Queue(dsn, schema)`."""
+
+    def __init__(self, dsn: str, schema: str) -> None:
+        self.dsn, self.schema = dsn, schema
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self.dsn, autocommit=True,
+                                         options=f"-c search_path={self.schema}")
+        return self._conn
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
 
 # --------------------------------------------------------------------------------------------

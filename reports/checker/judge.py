@@ -148,6 +148,16 @@ def _unknown_history(f: Frame, details: dict[str, Any]) -> list[str]:
         unknown.append(f"no worker event log for {shown}, though the target saw its "
                        "deliveries")
         details["workers_without_log"] = len(silent)
+    stopped = stopped_on_error(h)
+    if stopped:
+        first = stopped[0]
+        unknown.append(
+            f"{len(stopped)} worker{'s' if len(stopped) > 1 else ''} stopped on an error, so "
+            "the history cannot show what the queue did with what they held; first, "
+            f"{first['worker']} at {fmt(first['time'])}: {first['reason']}")
+        details["workers_stopped_on_error"] = {"count": len(stopped), "examples": [
+            {"worker": r["worker"], "time": r["time"], "why": r["reason"]}
+            for r in stopped[:MAX_EXAMPLES]]}
     failing, failed_calls = never_succeeded(h)
     unknown.extend(failing)
     if failed_calls:
@@ -184,6 +194,22 @@ def _details(f: Frame, e: Explained) -> dict[str, Any]:
         "distinct_oracles": f.oracle.count,
     })
     return details
+
+
+def stopped_on_error(h: History) -> list[dict[str, Any]]:
+    """The `stop` events whose reason is an error (a worker loop that raised: a library's
+    consumer that gave up on its connection), in time order."""
+    ev = h.events
+    rows = np.flatnonzero((ev["kind"] == "stop").to_numpy())
+    if not len(rows):
+        return []
+    reasons = h.event_data.field("reason", ev.index.to_numpy()[rows])
+    workers, times = ev["worker"].to_numpy()[rows], ev["time"].to_numpy()[rows]
+    found = [{"worker": str(worker), "time": float(time), "reason": reason}
+             for worker, time, reason in zip(workers.tolist(), times.tolist(), reasons.tolist(),
+                                             strict=True)
+             if isinstance(reason, str) and reason.startswith("error")]
+    return sorted(found, key=lambda r: r["time"])
 
 
 def never_succeeded(h: History) -> tuple[list[str], dict[str, int]]:

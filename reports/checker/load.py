@@ -27,7 +27,12 @@ import pyarrow.compute as pc  # type: ignore[import-untyped]
 import pyarrow.csv as pacsv  # type: ignore[import-untyped]
 import pyarrow.json as pajson  # type: ignore[import-untyped]
 
-from skiplock.queue_impl.interface import REFERENCE_GUARANTEES, Guarantees, JobStatus
+from skiplock.queue_impl.interface import (
+    REFERENCE_GUARANTEES,
+    Guarantees,
+    JobStatus,
+    LeaseKind,
+)
 from skiplock.queue_impl.retry import RetryPolicy
 from skiplock.reports import columnar
 from skiplock.reports.checker.common import floats
@@ -671,6 +676,9 @@ class RunConfig:
     objectives: Objectives = field(default_factory=Objectives)
     # The load phase (warm-up start to load end, epoch seconds); None when not recorded.
     load_window: tuple[float, float] | None = None
+    # How the queue's lease runs (spec.json `lease`): "renewal" (from the claim or renewal
+    # as recorded), or "heartbeat" (`HeartbeatLease`: from when each was sent).
+    lease_kind: LeaseKind = "renewal"
 
 
 def _durability(raw: dict[str, Any], spec: dict[str, Any], path: Path) -> bool | None:
@@ -759,7 +767,17 @@ def _run_config(path: Path, spec: dict[str, Any] | None = None) -> RunConfig:
         time_origin=_time_origin(raw, spec or {}),
         objectives=_objectives(spec or {}, path),
         load_window=_load_window(spec or {}),
+        lease_kind=_lease_kind(spec or {}, path),
     )
+
+
+def _lease_kind(spec: dict[str, Any], path: Path) -> LeaseKind:
+    """spec.json's `lease`, else "renewal"; any other value is bad input."""
+    kind = spec.get("lease", "renewal")
+    if kind not in get_args(LeaseKind):
+        raise HistoryError(f"{path.with_name(SPEC_FILE)}: lease must be \"renewal\" or "
+                           f"\"heartbeat\", not {kind!r:.40}")
+    return cast(LeaseKind, kind)
 
 
 def _objectives(spec: dict[str, Any], path: Path) -> Objectives:
@@ -942,6 +960,8 @@ def read_history(run_dirs: Sequence[Path]) -> History:
     fin.require_str("job_id", "final job state")
     jobs = _Jobs.read(enq, (enq, dl, ev, fin))
     deliveries, events = _deliveries(dl, jobs), _events(ev, jobs)
+    if config.lease_kind == "heartbeat":
+        lease_from_sent(events, ev.nested["data"])
     repicks = 0
     if config.guarantees.attempts_count != "claims":
         repicks = key_picks_by_lease(events, ev.columns["lease_token"], deliveries,
@@ -1211,6 +1231,21 @@ def _deliveries(dl: _Table, jobs: _Jobs) -> pd.DataFrame:
         raise HistoryError(f"{dl.where(row)}: delivery has {has} but not the other (the "
                            "target writes both or neither): the log is damaged")
     return deliveries
+
+
+def lease_from_sent(events: pd.DataFrame, data: Any) -> None:
+    """For a heartbeat lease: time each claim and renewal from when it was sent (its
+    `started`), where the lease it took or kept began, instead of when the worker recorded
+    it returning (a worker paused in between records it long after). Every lease the judge
+    measures from a claim or renewal then runs from there."""
+    rows = np.flatnonzero(events["kind"].isin(["claim", "renew"]).to_numpy())
+    if not len(rows):
+        return
+    sent = floats(data.field("started", events.index.to_numpy()[rows]))
+    times = events["time"].to_numpy(dtype=np.float64, copy=True)
+    earlier = np.isfinite(sent) & (sent < times[rows])
+    times[rows[earlier]] = sent[earlier]
+    events["time"] = times
 
 
 def _events(ev: _Table, jobs: _Jobs) -> pd.DataFrame:

@@ -111,7 +111,7 @@ async def _work(url: str, batch: int, duration: float, ready: Any, go: Any) -> N
     stop = asyncio.Event()
     asyncio.get_running_loop().call_later(duration, stop.set)
     # No event log in the queue-only phase: there is nothing of a run to judge.
-    await run_until(worker, stop, lambda _kind, _fields: None)
+    await run_until(worker, stop)
 
 
 class _CompletedCounter:

@@ -67,7 +67,7 @@ async def _work(dsn: str, batch: int, duration: float, ready: Any, go: Any) -> N
     from pgqueuer.qm import QueueManager
     from pgqueuer.queries import Queries
 
-    from skiplock.queue_impl.pgqueuer_backend import asyncpg_params
+    from skiplock.queue_impl.plugins import asyncpg_params
 
     # asyncpg, as pgqueuer's own quick start runs it: its psycopg driver's listener holds
     # the connection up to a second at a time waiting for notifications.
@@ -194,7 +194,7 @@ async def _deliver(dsn: str, target_url: str, batch: int, duration: float, event
     from pgqueuer.queries import Queries
 
     from skiplock.queue_impl.interface import ATTEMPT_HEADER, JOB_ID_HEADER
-    from skiplock.queue_impl.pgqueuer_backend import asyncpg_params
+    from skiplock.queue_impl.plugins import asyncpg_params
 
     conn = await asyncpg.connect(**asyncpg_params(dsn))
     with open(events_path, "w", newline="") as log:

@@ -37,10 +37,13 @@ from skiplock.queue_impl.interface import (
     JobState,
     JobStatus,
     QueueBackend,
+    RunsOwnWorker,
     StatementError,
     TearsDown,
     guarantees_of,
+    lease_kind,
 )
+from skiplock.queue_impl.native import NativeConfig
 from skiplock.queue_impl.plugins import BACKEND_NAMES, REDIS_BACKENDS, BackendSpec, shown_options
 from skiplock.reports import columnar
 from skiplock.reports.history import (
@@ -62,7 +65,7 @@ from skiplock.reports.history import (
     write_json,
 )
 from skiplock.reports.selfdescribe import describe
-from skiplock.scenarios.run.honoured import unhonoured
+from skiplock.scenarios.run.honoured import fault_unhonoured, honoured_faults, unhonoured
 from skiplock.scenarios.run.progress import Observer, Sample, Sampler, SampleWriter
 from skiplock.scenarios.run.spec import FAILPOINT_NAMES, ScenarioSpec, replay_command
 from skiplock.scenarios.servers.postgres import DSN_ENV, PgServer, postgres, redact_dsn
@@ -794,9 +797,12 @@ def _run_to_final_snapshot(
                         supervise=spec.supervise, restart_delay=spec.restart_delay,
                         app_prefix=app_prefix(run.schema),
                         stderr_dir=(run.run_dir / "logs") if options.worker_logs_to_files
-                        else None)
+                        or isinstance(queue, RunsOwnWorker) else None)
         )
         pool.start()
+        if isinstance(queue, RunsOwnWorker):
+            # A library's own logging and tracebacks, kept with the run, not in the terminal.
+            run.say(f"worker logs: {run.run_dir / 'logs'}")
         run.say(f"{spec.workers} workers, target {target.url}")
 
         _run_load(run, stack, nemesis, server=server, pool=pool, target=target)
@@ -863,6 +869,13 @@ def _set_up_queue(run: _RunState, stack: contextlib.ExitStack, server: PgServer)
         run.refused = True
         raise Unhonoured(refusal)
     run.description["guarantees"] = promised.to_json()
+    run.description["lease"] = lease_kind(queue)
+    _, dropped = honoured_faults(run.spec, options.backend, promised)
+    if dropped:
+        # Firings of a fault the queue cannot feel are dropped alone; the others still run.
+        run.planned[:] = [p for p in run.planned
+                          if fault_unhonoured(p, options.backend, promised) is None]
+        run.description["faults_dropped"] = dropped
     try:
         queue.setup()
         if options.schema is None and not options.keep_schema:
@@ -883,6 +896,8 @@ def _set_up_queue(run: _RunState, stack: contextlib.ExitStack, server: PgServer)
         raise UsageError(str(exc)) from None
     # Announced once the input is known to be good: a refused run says only why.
     run.say(f"run directory: {run.run_dir}")
+    for line in dropped:
+        run.say(line)
     run.say(f"PostgreSQL: {server.kind} {server.display}")
     if "redis" in run.description:
         redis = run.description["redis"]
@@ -920,7 +935,13 @@ def _run_dispatcher_config(run: _RunState, target: Any) -> DispatcherConfig:
     """The workers' configuration: the spec's, admitting the run's echo target, seeded, and
     reading failpoints from the run directory when the fault schedule sets any."""
     allow = (f"{target.host}:{target.port}",)
-    config = dataclasses.replace(dispatcher_config(run.spec, allow), seed=run.options.seed)
+    # The accounts and max_attempts too, which a native worker's loop cannot read from the
+    # queue as skiplock's own loop does.
+    config = dataclasses.replace(
+        NativeConfig.of(dispatcher_config(run.spec, allow)), seed=run.options.seed,
+        accounts=tuple(Account(id=a, concurrency_limit=limit)
+                       for a, limit in run.spec.account_limits().items()),
+        max_attempts=run.spec.max_attempts)
     if any(p.kind in FAILPOINT_NAMES or p.phase == "claim" for p in run.planned):
         config = dataclasses.replace(
             config, failpoint_file=str(run.run_dir / FAILPOINTS_FILE))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import signal
@@ -79,6 +80,9 @@ def _worker_main(
         fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 2)
         os.close(fd)
+        # A queue library's own logging (pgqueuer's, BullMQ's) goes there too, timed.
+        logging.basicConfig(level=logging.INFO, force=True,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if app_prefix is not None:
         # Every session this worker opens carries its name, so a fault can cut exactly the
         # system under test's connections (PGAPPNAME for plug-ins that use libpq's default).

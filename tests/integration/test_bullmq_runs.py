@@ -74,9 +74,11 @@ def test_kill_workers_on_bullmq_is_judged(pg_dsn: str, tmp_path: Path) -> None:
     assert verdict["valid"] is True, verdict
 
 
+# A scenario none of whose faults can reach BullMQ. (One with some it can feel, such as
+# exhaust-attempts and its claim-phase pause, runs with those dropped alone:
+# tests/unit/test_honoured.py and test_pgqueuer_runs.py.)
 @pytest.mark.parametrize(("scenario", "expected"), [
     ("db-faults", "the terminate_backends fault acts on PostgreSQL and would not reach it"),
-    ("exhaust-attempts", "has no claim transaction to pause in"),
 ])
 def test_a_fault_bullmq_cannot_feel_is_refused(pg_dsn: str, tmp_path: Path, scenario: str,
                                                expected: str) -> None:
