@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import socket
 import struct
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +32,7 @@ from skiplock.queue_impl.interface import (
 )
 from skiplock.queue_impl.ssrf import UrlGuard, VettedTarget
 from skiplock.reports.history import DELIVERY_LOG, Behaviour, JobScript, Step, read_log
+from skiplock.scenarios.cli.main import main as cli_main
 
 pytestmark = pytest.mark.integration
 
@@ -463,3 +466,24 @@ def test_the_echo_targets_faults_are_a_failure_and_one_delivery(
             break
         time.sleep(0.05)
     assert len(seen) == 1  # delivered once: a failed call is never sent again
+
+
+# -- the benchmark ----------------------------------------------------------------------------
+
+
+def test_bench_http_times_both_clients_and_leaves_nothing_running(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "http.json"
+    code = cli_main(["bench", "http", "--requests", "60", "--concurrency", "3", "--rounds", "2",
+                     "--warmup", "5", "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "aiohttp:" in printed and "lean:" in printed and "lean / aiohttp" in printed
+    results = json.loads(out.read_text())["results"]
+    for name in ("aiohttp", "lean"):
+        client = results[name]
+        assert (client["requests"], client["errors"]) == (60, 0)
+        assert [r["requests"] for r in client["rounds"]] == [30, 30]
+        assert client["cpu_us_per_request"] > 0
+    assert results["cpu_ratio_lean_to_aiohttp"] > 0
+    assert not [p for p in multiprocessing.active_children() if p.is_alive()]
