@@ -427,20 +427,22 @@ class _Connection(asyncio.Protocol):
             return False
         return False  # b"": the server closed it; bytes: nobody asked for them
 
-    async def exchange(self, request: bytes, deadline: float) -> tuple[Response, bool]:
+    async def exchange(self, request: bytes, deadline: float | None) -> tuple[Response, bool]:
         """Send one request and wait for its whole answer until `deadline` (on the loop's
-        clock; then TimeoutError and the connection is closed); (answer, reusable)."""
+        clock; then TimeoutError and the connection is closed; None: no deadline of its own);
+        (answer, reusable)."""
         assert self.transport is not None
         loop = asyncio.get_running_loop()
         self._parser = parser = ResponseParser(max_body=self.max_body)
         self._waiter = waiter = loop.create_future()
         # One timer on the waiter: cheaper than a timeout context around the await.
-        timer = loop.call_at(deadline, self._time_out)
+        timer = None if deadline is None else loop.call_at(deadline, self._time_out)
         try:
             self.transport.write(request)
             response = await waiter
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
         return response, parser.reusable and not self.closed
 
     def _time_out(self) -> None:
@@ -504,17 +506,19 @@ class Http11Client:
         path_and_query: str,
         headers: Mapping[str, str],
         body: bytes,
-        timeout: float,
+        timeout: float | None,
     ) -> Response:
         """POST `body` (JSON) to the vetted address, with `Host:` the URL's host, and return
-        the answer, within `timeout` seconds (connecting and waiting for a slot included).
-        Raises SchemeNotSupported, ValueError (a header or path that cannot be sent; nothing
-        was), ConnectionFailed, or TimeoutError."""
+        the answer, within `timeout` seconds (connecting and waiting for a slot included;
+        None: no deadline of its own, for a caller that already runs under one, such as the
+        dispatcher's timeout around vetting and calling). Raises SchemeNotSupported,
+        ValueError (a header or path that cannot be sent; nothing was), ConnectionFailed, or
+        TimeoutError. Cancelled, it closes the connection it was using."""
         if not self.handles(target):
             raise SchemeNotSupported(f"{target.scheme} is not plain http")
         request = build_request(target, path_and_query, headers, body)
         key: PoolKey = (target.address, target.port, target.host)
-        deadline = asyncio.get_running_loop().time() + timeout
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         if self._slots.locked():
             async with asyncio.timeout_at(deadline):
                 await self._slots.acquire()

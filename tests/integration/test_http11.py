@@ -133,7 +133,7 @@ def reset(sock: socket.socket) -> None:
     sock.close()
 
 
-def post(target: VettedTarget, client: Http11Client, *, timeout: float = 5.0,
+def post(target: VettedTarget, client: Http11Client, *, timeout: float | None = 5.0,
          headers: dict[str, str] | None = None) -> Any:
     return client.post(target, "/deliver", headers or {"X-Job": "1"}, b'{"job":1}', timeout)
 
@@ -284,7 +284,12 @@ def test_a_malformed_answer_is_a_connection_failure() -> None:
         run(post(server.target(), Http11Client(1)))
 
 
-def test_a_server_that_never_answers_times_out_and_its_connection_is_not_reused() -> None:
+@pytest.mark.parametrize("own_deadline", [True, False], ids=["own-timeout", "callers-timeout"])
+def test_a_server_that_never_answers_times_out_and_its_connection_is_not_reused(
+        own_deadline: bool) -> None:
+    """With its own timeout, or with none under the caller's (as the dispatcher's deadline
+    covers vetting and calling): either way the call ends on time and its connection, which
+    may still get the late answer, is closed."""
     def first_hangs(server: Server, sock: socket.socket) -> None:
         hung = len(server.requests) == 0
         while server.read_request(sock) is not None:
@@ -298,7 +303,11 @@ def test_a_server_that_never_answers_times_out_and_its_connection_is_not_reused(
             async with Http11Client(1) as client:
                 started = time.monotonic()
                 with pytest.raises(TimeoutError):
-                    await post(server.target(), client, timeout=0.3)
+                    if own_deadline:
+                        await post(server.target(), client, timeout=0.3)
+                    else:
+                        async with asyncio.timeout(0.3):
+                            await post(server.target(), client, timeout=None)
                 took = time.monotonic() - started
                 return took, await post(server.target(), client), client.connections_opened
 
