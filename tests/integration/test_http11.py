@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from skiplock.chaos.target import TargetProcess
+from skiplock.queue_impl import http11
 from skiplock.queue_impl.http11 import ConnectionFailed, Http11Client, Response, request_target
 from skiplock.queue_impl.interface import (
     ACCOUNT_HEADER,
@@ -371,6 +372,22 @@ def test_a_request_a_pooled_connection_carried_is_never_sent_twice() -> None:
 
         assert run(go()) == 1
     assert len(server.requests) == 2 and server.connections == 1
+
+
+def test_an_idle_connection_past_its_keepalive_is_not_reused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http11, "KEEPALIVE_SECONDS", 0.1)
+    with Server(answer_each(OK)) as server:
+        async def go() -> tuple[int, int]:
+            async with Http11Client(1) as client:
+                await post(server.target(), client)
+                await post(server.target(), client)  # soon after: the same connection
+                await asyncio.sleep(0.3)
+                await post(server.target(), client)
+                return client.connections_opened, client.stale_dropped
+
+        assert run(go()) == (2, 1)
+    assert len(server.requests) == 3
 
 
 def test_stray_bytes_on_an_idle_connection_retire_it() -> None:
