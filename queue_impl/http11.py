@@ -183,6 +183,12 @@ class ResponseParser:
         if end < 0:
             if len(self._buffer) > self.max_head:
                 raise MalformedResponse(f"response head longer than {self.max_head} bytes")
+            # Not HTTP at all is known from the first bytes: say so now, not at the timeout.
+            first = self._buffer.find(b"\r\n")
+            if not b"HTTP/".startswith(self._buffer[:5]) or (
+                    first >= 0 and not _STATUS_LINE.fullmatch(self._buffer, 0, first)):
+                line = bytes(self._buffer[: first if first >= 0 else 80])
+                raise MalformedResponse(f"not an HTTP/1.x status line: {line[:80]!r}")
             return
         head = bytes(self._buffer[: end + 2])  # each line with its CRLF
         del self._buffer[: end + 4]
@@ -432,6 +438,9 @@ class _Connection(asyncio.Protocol):
         clock; then TimeoutError and the connection is closed; None: no deadline of its own);
         (answer, reusable)."""
         assert self.transport is not None
+        if self.closed or self.transport.is_closing():
+            # A new connection the server spoke on, or closed, before the request went out.
+            raise ConnectionFailed("connection closed before the request was sent")
         loop = asyncio.get_running_loop()
         self._parser = parser = ResponseParser(max_body=self.max_body)
         self._waiter = waiter = loop.create_future()

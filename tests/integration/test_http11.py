@@ -279,6 +279,23 @@ def test_a_close_before_any_answer_is_a_connection_failure(
     assert len(server.requests) == 1
 
 
+def test_a_server_that_speaks_first_is_a_connection_failure_not_a_hang() -> None:
+    def banner(server: Server, sock: socket.socket) -> None:
+        sock.sendall(b"220 mail.example ESMTP\r\n")
+        server.stopping.wait()
+
+    with Server(banner) as server:
+        async def go() -> None:
+            async with Http11Client(1) as client:
+                await asyncio.sleep(0)
+                await client.post(server.target(), "/deliver", {}, b"{}", 2.0)
+
+        started = time.monotonic()
+        with pytest.raises(ConnectionFailed):
+            run(go())
+        assert time.monotonic() - started < 1.5
+
+
 def test_a_malformed_answer_is_a_connection_failure() -> None:
     with Server(answer_each(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")) as server, \
             pytest.raises(ConnectionFailed, match="status line"):

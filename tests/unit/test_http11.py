@@ -167,6 +167,17 @@ def test_malformed_answers_are_refused(raw: bytes) -> None:
         parse(raw)
 
 
+@pytest.mark.parametrize("first", [b"2", b"220 mail.example ESMTP",
+                                   b"HTTP/1.1 2000 OK\r\nContent-"])
+def test_an_answer_that_is_not_http_is_refused_before_its_head_ends(first: bytes) -> None:
+    with pytest.raises(MalformedResponse, match="status line"):
+        parse(first)
+
+
+def test_a_status_line_arriving_byte_by_byte_is_not_refused_early() -> None:
+    assert parse(*(LENGTH[i:i + 1] for i in range(len(LENGTH)))).status == 200
+
+
 def test_a_head_that_never_ends_is_refused() -> None:
     parser = ResponseParser(max_head=1024)
     with pytest.raises(MalformedResponse, match="longer than 1024"):
