@@ -212,18 +212,14 @@ class ResponseParser:
 
     def _frame(self, fields: list[tuple[bytes, bytes]], *, http10: bool) -> None:
         """Pick how the body is delimited, from the status and the framing `fields`."""
-        connection: set[bytes] = set()
-        lengths: set[bytes] = set()
-        codings: list[bytes] = []
+        by_name: dict[bytes, list[bytes]] = {}
         for name, value in fields:
-            lower = name.lower()
-            if lower == b"content-length":
-                lengths.update(v.strip() for v in value.split(b","))
-            elif lower == b"transfer-encoding":
-                codings.extend(v.strip().lower() for v in value.split(b",") if v.strip())
-            elif lower == b"connection":
-                connection.update(v.strip().lower() for v in value.split(b","))
+            by_name.setdefault(name.lower(), []).append(value)
+        connection = _tokens(by_name.get(b"connection"))
         self._keep_alive = (b"keep-alive" in connection) if http10 else (b"close" not in connection)
+        raw_lengths = by_name.get(b"content-length")
+        lengths = {v.strip() for r in raw_lengths for v in r.split(b",")} if raw_lengths else set()
+        codings = [v for v in _tokens(by_name.get(b"transfer-encoding")) if v]
         assert self.status is not None
         if self.status in (204, 304):
             self._finish(reusable=True)
@@ -320,6 +316,13 @@ class ResponseParser:
         self._state = _DONE
         self.done = True
         self.reusable = reusable and self._keep_alive and not self._buffer
+
+
+def _tokens(values: list[bytes] | None) -> list[bytes]:
+    """The comma-separated tokens of a header's values, lower-case, in order."""
+    if not values:
+        return []
+    return [v.strip().lower() for value in values for v in value.split(b",")]
 
 
 # --------------------------------------------------------------------------------------------
