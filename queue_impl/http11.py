@@ -3,8 +3,10 @@ the SSRF guard vetted, and bring back the status.
 
 aiohttp was the largest single part of a worker's CPU per job; the dispatcher needs little of
 what it does (no redirects, no cookies, no decompression, no DNS, no TLS on the echo target),
-so this client does only that, on asyncio's Protocol/Transport layer (cheaper per call than
-streams, which add a reader, a writer and their waiters on top of the same transport).
+so this client does only that, on asyncio's Protocol/Transport layer. Streams measured the
+same per call (`skiplock bench http`'s driver, alternating: 167.8 against 168.9 µs); the
+protocol is kept because its own callbacks see an idle connection's end of stream or loss
+with no reader task, and one timer per call does the work of a timeout context.
 
 What it guarantees:
 
