@@ -27,16 +27,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from skiplock.queue_impl.dispatcher import (
-    Call,
-    Deliverer,
-    DispatcherConfig,
-    EventSink,
-    Failpoints,
-    claim_event,
-    renew_event,
-    write_event,
-)
+from skiplock.queue_impl.config import DispatcherConfig
+from skiplock.queue_impl.deliver import Deliverer
+from skiplock.queue_impl.events import Call, EventSink, claim_event, renew_event, write_event
+from skiplock.queue_impl.failpoints import Failpoints
 from skiplock.queue_impl.interface import AttemptResult, Lease, Outcome, RunsOwnWorker, WriteResult
 
 # Library identities of a pick (lock tokens, row versions) become lease tokens in this

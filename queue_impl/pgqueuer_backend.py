@@ -59,7 +59,8 @@ from pgqueuer.queries import Queries, SyncQueries
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from skiplock.queue_impl.dispatcher import DispatcherConfig, EventSink
+from skiplock.queue_impl.config import DispatcherConfig
+from skiplock.queue_impl.events import EventSink
 from skiplock.queue_impl.interface import (
     Account,
     Guarantees,

@@ -30,7 +30,7 @@ from psycopg import sql
 
 from skiplock.plumbing.errors import HarnessError, Unhonoured, UsageError
 from skiplock.plumbing.orphans import children_deaf_to_ctrl_c
-from skiplock.queue_impl.dispatcher import DispatcherConfig
+from skiplock.queue_impl.config import DispatcherConfig
 from skiplock.queue_impl.interface import (
     Account,
     ChecksStatements,
