@@ -293,23 +293,8 @@ def new_run_dir(out: Path, spec: ScenarioSpec, seed: int) -> Path:
 
 
 def dispatcher_config(spec: ScenarioSpec, allow: tuple[str, ...]) -> DispatcherConfig:
-    config = DispatcherConfig(
-        batch=spec.batch,
-        lease_seconds=spec.lease,
-        http_timeout_seconds=spec.http_timeout,
-        write_margin_seconds=spec.write_margin,
-        poll_seconds=spec.poll,
-        recovery_enabled=spec.recovery,
-        recovery_interval_seconds=spec.recovery_interval,
-        renew_leases=spec.renew_leases,
-        refill=spec.refill,
-        retry_base_seconds=spec.retry_base,
-        retry_cap_seconds=spec.retry_cap,
-        retry_jitter=spec.retry_jitter,
-        allow_targets=allow,
-        unsafe_timing=spec.unsafe_timing,
-        failpoints=tuple(sorted(spec.failpoints.items())),
-    )
+    config = DispatcherConfig.of(spec.worker_settings(), allow_targets=allow,
+                                 failpoints=tuple(sorted(spec.failpoints.items())))
     config.validate()
     return config
 
