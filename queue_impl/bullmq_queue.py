@@ -31,7 +31,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from skiplock.queue_impl.bullmq_worker import job_fields, run_bullmq_worker
-from skiplock.queue_impl.dispatcher import DispatcherConfig, EventSink
+from skiplock.queue_impl.config import DispatcherConfig
+from skiplock.queue_impl.events import EventSink
 from skiplock.queue_impl.interface import (
     Account,
     Guarantees,

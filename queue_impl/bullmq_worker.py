@@ -32,7 +32,8 @@ from collections.abc import Coroutine, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from skiplock.queue_impl.dispatcher import DispatcherConfig, EventSink
+from skiplock.queue_impl.config import DispatcherConfig
+from skiplock.queue_impl.events import EventSink
 from skiplock.queue_impl.interface import Lease, Outcome
 from skiplock.queue_impl.native import (
     NativeDelivery,

@@ -129,57 +129,9 @@ class InMemoryQueue:
             raise ValueError("lease must be positive")
         with self._lock:
             now = self.now()
-            active: dict[str, int] = {}
-            for job in self._jobs.values():
-                if job.status is JobStatus.PROCESSING:
-                    active[job.account_id] = active.get(job.account_id, 0) + 1
-            # Step 1: at most `batch` limited accounts with due work and a free slot, oldest
-            # due work first, ties by id (code point order, as COLLATE "C" in the SQL).
-            oldest_due: dict[str, datetime] = {}
-            for j in self._jobs.values():
-                due = _due_at(j, now)
-                if due is not None and self._limits.get(j.account_id) is not None:
-                    oldest_due[j.account_id] = min(due, oldest_due.get(j.account_id, due))
-            eligible = sorted(
-                (due, account)
-                for account, due in oldest_due.items()
-                if active.get(account, 0) < (self._limits[account] or 0)
-            )
-            free = {
-                account: (self._limits[account] or 0) - active.get(account, 0)
-                for _, account in eligible[:batch]
-            }
-
-            # Step 2: each open account's own due work, oldest first, at most its share (a
-            # limited account's free slots, an unlimited one's the batch); then the oldest
-            # `batch` of all that, as the SQL's per-account index reads do.
-            def share(account: str) -> int:
-                if self._limits.get(account) is None:
-                    return batch
-                return min(free.get(account, 0), batch)
-
-            def due_by_account(status: JobStatus) -> list[tuple[datetime, uuid.UUID]]:
-                by_account: dict[str, list[tuple[datetime, uuid.UUID]]] = {}
-                for j in self._jobs.values():
-                    due = _due_at(j, now)
-                    if j.status is status and due is not None:
-                        by_account.setdefault(j.account_id, []).append((due, j.id))
-                return [c for account, due in by_account.items()
-                        for c in sorted(due)[:share(account)]]
-
-            pending = due_by_account(JobStatus.PENDING)
-            retrying = due_by_account(JobStatus.RETRYING)
-            candidates = sorted(pending + retrying)
-            taken: dict[str, int] = {}
-            picked: list[uuid.UUID] = []
-            for _, job_id in candidates:
-                account = self._jobs[job_id].account_id
-                taken[account] = taken.get(account, 0) + 1
-                if account in free and taken[account] > free[account]:
-                    continue
-                picked.append(job_id)
+            free = self._open_accounts(now, batch)
             leases = []
-            for job_id in picked[:batch]:
+            for job_id in self._oldest_due(now, batch, free)[:batch]:
                 job = self._jobs[job_id]
                 job.status = JobStatus.PROCESSING
                 job.attempts += 1
@@ -188,6 +140,61 @@ class InMemoryQueue:
                 job.locked_by = worker_id
                 leases.append(_lease(job))
             return leases
+
+    def _open_accounts(self, now: datetime, batch: int) -> dict[str, int]:
+        """The claim's step 1: at most `batch` limited accounts with due work and a free
+        slot, oldest due work first, ties by id (code point order, as COLLATE "C" in the
+        SQL), each with its free slots."""
+        active: dict[str, int] = {}
+        for job in self._jobs.values():
+            if job.status is JobStatus.PROCESSING:
+                active[job.account_id] = active.get(job.account_id, 0) + 1
+        oldest_due: dict[str, datetime] = {}
+        for j in self._jobs.values():
+            due = _due_at(j, now)
+            if due is not None and self._limits.get(j.account_id) is not None:
+                oldest_due[j.account_id] = min(due, oldest_due.get(j.account_id, due))
+        eligible = sorted(
+            (due, account)
+            for account, due in oldest_due.items()
+            if active.get(account, 0) < (self._limits[account] or 0)
+        )
+        return {
+            account: (self._limits[account] or 0) - active.get(account, 0)
+            for _, account in eligible[:batch]
+        }
+
+    def _oldest_due(self, now: datetime, batch: int, free: dict[str, int]) -> list[uuid.UUID]:
+        """The claim's step 2: each open account's own due work, oldest first, at most its
+        share (a limited account's free slots, an unlimited one's the batch); then the
+        oldest of all that, no limited account past its free slots, as the SQL's
+        per-account index reads do (the caller takes the first `batch`)."""
+
+        def share(account: str) -> int:
+            if self._limits.get(account) is None:
+                return batch
+            return min(free.get(account, 0), batch)
+
+        def due_by_account(status: JobStatus) -> list[tuple[datetime, uuid.UUID]]:
+            by_account: dict[str, list[tuple[datetime, uuid.UUID]]] = {}
+            for j in self._jobs.values():
+                due = _due_at(j, now)
+                if j.status is status and due is not None:
+                    by_account.setdefault(j.account_id, []).append((due, j.id))
+            return [c for account, due in by_account.items()
+                    for c in sorted(due)[:share(account)]]
+
+        candidates = sorted(due_by_account(JobStatus.PENDING)
+                            + due_by_account(JobStatus.RETRYING))
+        taken: dict[str, int] = {}
+        picked: list[uuid.UUID] = []
+        for _, job_id in candidates:
+            account = self._jobs[job_id].account_id
+            taken[account] = taken.get(account, 0) + 1
+            if account in free and taken[account] > free[account]:
+                continue
+            picked.append(job_id)
+        return picked
 
     def _holds(self, lease: Lease) -> _Job | None:
         job = self._jobs.get(lease.job_id)

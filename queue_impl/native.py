@@ -41,16 +41,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-from skiplock.queue_impl.dispatcher import (
-    Call,
-    Deliverer,
-    DispatcherConfig,
-    EventSink,
-    Failpoints,
-    claim_event,
-    renew_event,
-    write_event,
-)
+from skiplock.queue_impl.config import DispatcherConfig
+from skiplock.queue_impl.deliver import Deliverer
+from skiplock.queue_impl.events import Call, EventSink, claim_event, renew_event, write_event
+from skiplock.queue_impl.failpoints import Failpoints
 from skiplock.queue_impl.interface import (
     Account,
     AttemptResult,
@@ -96,7 +90,7 @@ class NativeConfig(DispatcherConfig):
     max_attempts: int = 3
 
     @classmethod
-    def of(cls, config: DispatcherConfig) -> NativeConfig:
+    def native(cls, config: DispatcherConfig) -> NativeConfig:
         """`config` as a NativeConfig (no accounts when it is a plain DispatcherConfig)."""
         if isinstance(config, NativeConfig):
             return config
@@ -161,7 +155,7 @@ class NativeDelivery:
 
     def __init__(self, config: DispatcherConfig, worker_id: str, sink: EventSink) -> None:
         config.validate()
-        self.config = NativeConfig.of(config)
+        self.config = NativeConfig.native(config)
         self.worker_id = worker_id
         self._sink = sink
         self.failpoints = Failpoints(config, worker_id)
@@ -332,7 +326,7 @@ def run_native_worker(backend: RunsOwnWorker, config: DispatcherConfig, worker_i
             loop.add_signal_handler(signum, stop.set)
         if early_stop:
             stop.set()
-        await backend.run_worker(NativeConfig.of(config), worker_id, sink, stop)
+        await backend.run_worker(NativeConfig.native(config), worker_id, sink, stop)
         await cancel_leftovers()
 
     asyncio.run(main())

@@ -1,6 +1,6 @@
 """Writing a run directory by hand, in the schema of `skiplock.reports.history`, through the same
 record builders the real writers use: the producers' `EnqueueOp`, the echo target's
-`Delivery`, the dispatcher's event fields (`skiplock.queue_impl.dispatcher.claim_event`,
+`Delivery`, the dispatcher's event fields (`skiplock.queue_impl.events.claim_event`,
 `http_event`, `write_event`) and its judgement of an answer (`call_for_status`), and the
 worker log's `worker_event_record`. `RunBuilder.attempt` writes one attempt as a correct
 dispatcher records it, so a hand-built history cannot say what the dispatcher never writes
@@ -18,14 +18,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from skiplock.queue_impl.dispatcher import (
-    Call,
-    call_for_status,
-    claim_event,
-    http_event,
-    timed_out_call,
-    write_event,
-)
+from skiplock.queue_impl.deliver import call_for_status, timed_out_call
+from skiplock.queue_impl.events import Call, claim_event, http_event, write_event
 from skiplock.queue_impl.interface import Lease, Outcome
 from skiplock.reports import columnar
 from skiplock.reports.history import (

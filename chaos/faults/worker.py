@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from skiplock.chaos.nemesis import Fault, FaultSkipped, HeldLease, NemesisContext, register
-from skiplock.queue_impl.dispatcher import (
+from skiplock.queue_impl.failpoints import (
     PAUSE_IN_CLAIM,
     PAUSE_IN_CLAIM_FIRING,
     PAUSE_IN_CLAIM_SECONDS,

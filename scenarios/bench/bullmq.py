@@ -230,7 +230,7 @@ def bullmq_e2e_phase(url: str, params: Any, say: Any) -> Any:
     import multiprocess
 
     from skiplock.chaos.target import TargetProcess
-    from skiplock.queue_impl.dispatcher import DispatcherConfig
+    from skiplock.queue_impl.config import DispatcherConfig
     from skiplock.scenarios.bench.e2e import judge_window, timed_window
 
     version = require_bullmq()

@@ -251,7 +251,7 @@ def _print_summary(doc: Mapping[str, Any]) -> None:
 def e2e_phase(dsn: str, schema: str, params: bench_queue.Params, *,
               refill: bool = True) -> E2eResult:
     from skiplock.chaos.target import TargetProcess
-    from skiplock.queue_impl.dispatcher import DispatcherConfig
+    from skiplock.queue_impl.config import DispatcherConfig
     from skiplock.queue_impl.plugins import BackendSpec
     from skiplock.scenarios.run.workers import WorkerPool
 

@@ -27,14 +27,9 @@ from pathlib import Path
 import psycopg
 
 from skiplock.plumbing.errors import HarnessError, UsageError, sigterm_as_interrupt
-from skiplock.queue_impl.dispatcher import (
-    FAILPOINT_EXIT_CODE,
-    FAILPOINT_NAMES,
-    BackendFactory,
-    ConfigError,
-    DispatcherConfig,
-    validate_worker_count,
-)
+from skiplock.queue_impl.config import ConfigError, DispatcherConfig, validate_worker_count
+from skiplock.queue_impl.dispatcher import BackendFactory
+from skiplock.queue_impl.failpoints import FAILPOINT_EXIT_CODE, FAILPOINT_NAMES
 from skiplock.queue_impl.plugins import (
     BACKEND_NAMES,
     REDIS_BACKENDS,

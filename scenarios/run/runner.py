@@ -30,7 +30,7 @@ from psycopg import sql
 
 from skiplock.plumbing.errors import HarnessError, Unhonoured, UsageError
 from skiplock.plumbing.orphans import children_deaf_to_ctrl_c
-from skiplock.queue_impl.dispatcher import DispatcherConfig
+from skiplock.queue_impl.config import DispatcherConfig
 from skiplock.queue_impl.interface import (
     Account,
     ChecksStatements,
@@ -296,23 +296,8 @@ def new_run_dir(out: Path, spec: ScenarioSpec, seed: int) -> Path:
 
 
 def dispatcher_config(spec: ScenarioSpec, allow: tuple[str, ...]) -> DispatcherConfig:
-    config = DispatcherConfig(
-        batch=spec.batch,
-        lease_seconds=spec.lease,
-        http_timeout_seconds=spec.http_timeout,
-        write_margin_seconds=spec.write_margin,
-        poll_seconds=spec.poll,
-        recovery_enabled=spec.recovery,
-        recovery_interval_seconds=spec.recovery_interval,
-        renew_leases=spec.renew_leases,
-        refill=spec.refill,
-        retry_base_seconds=spec.retry_base,
-        retry_cap_seconds=spec.retry_cap,
-        retry_jitter=spec.retry_jitter,
-        allow_targets=allow,
-        unsafe_timing=spec.unsafe_timing,
-        failpoints=tuple(sorted(spec.failpoints.items())),
-    )
+    config = DispatcherConfig.of(spec.worker_settings(), allow_targets=allow,
+                                 failpoints=tuple(sorted(spec.failpoints.items())))
     config.validate()
     return config
 
@@ -938,7 +923,7 @@ def _run_dispatcher_config(run: _RunState, target: Any) -> DispatcherConfig:
     # The accounts and max_attempts too, which a native worker's loop cannot read from the
     # queue as skiplock's own loop does.
     config = dataclasses.replace(
-        NativeConfig.of(dispatcher_config(run.spec, allow)), seed=run.options.seed,
+        NativeConfig.native(dispatcher_config(run.spec, allow)), seed=run.options.seed,
         accounts=tuple(Account(id=a, concurrency_limit=limit)
                        for a, limit in run.spec.account_limits().items()),
         max_attempts=run.spec.max_attempts)

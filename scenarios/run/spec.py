@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from skiplock.chaos.nemesis import NemesisError, NemesisSpec, check_schedule, spec_from_mapping
+from skiplock.queue_impl.config import WorkerSettings
 from skiplock.reports.history import Behaviour, JobScript, Step
 from skiplock.reports.objectives import ObjectiveError, Objectives, split_overrides
 
@@ -76,7 +77,9 @@ class ScenarioSpec:
     users: int = 4
     enqueue_batch: int = 1
     distributed: bool = False
-    # Workers (the system under test).
+    # Workers (the system under test): how many, then their settings, each the scenario key
+    # of a `WorkerSettings` field (`worker_settings`; a test holds the two equal). The
+    # defaults are a short scenario's, not a production worker's.
     workers: int = 2
     batch: int = 10
     lease: float = 10.0
@@ -280,6 +283,10 @@ class ScenarioSpec:
         for account in self.objectives.accounts:
             if account not in self.accounts:
                 raise SpecError(f"objectives.account.{account}: no such account in [accounts]")
+
+    def worker_settings(self) -> WorkerSettings:
+        """The workers' settings this scenario gives, read by their scenario keys."""
+        return WorkerSettings.from_scenario(lambda key: getattr(self, key))
 
     def account_limits(self) -> dict[str, int | None]:
         return {account: limit for account, limit in self.accounts.items()}

@@ -31,13 +31,9 @@ import multiprocess
 from skiplock.chaos.nemesis import HeldLease
 from skiplock.plumbing.errors import HarnessError, UsageError
 from skiplock.plumbing.orphans import die_with_parent, name_this_process
-from skiplock.queue_impl.dispatcher import (
-    BackendFactory,
-    DispatcherConfig,
-    EventSink,
-    run_worker,
-    validate_worker_count,
-)
+from skiplock.queue_impl.config import DispatcherConfig, validate_worker_count
+from skiplock.queue_impl.dispatcher import BackendFactory, run_worker
+from skiplock.queue_impl.events import EventSink
 from skiplock.queue_impl.pg import APPLICATION_NAME_ENV
 from skiplock.reports.history import (
     LOG_SUFFIX,

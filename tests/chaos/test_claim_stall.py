@@ -29,7 +29,8 @@ import pytest
 from psycopg import sql
 
 from skiplock.chaos.target import TargetProcess
-from skiplock.queue_impl.dispatcher import LEASE_TOO_SHORT, DispatcherConfig
+from skiplock.queue_impl.config import DispatcherConfig
+from skiplock.queue_impl.events import LEASE_TOO_SHORT
 from skiplock.queue_impl.interface import Account, JobStatus, NewJob
 from skiplock.queue_impl.pg import PgQueue
 from skiplock.queue_impl.plugins import BackendSpec

@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 import pytest
 
 from skiplock.chaos.target import TargetProcess
-from skiplock.queue_impl.dispatcher import FAILPOINT_EXIT_CODE, DispatcherConfig
+from skiplock.queue_impl.config import DispatcherConfig
+from skiplock.queue_impl.failpoints import FAILPOINT_EXIT_CODE
 from skiplock.queue_impl.interface import Account, JobStatus, NewJob
 from skiplock.queue_impl.pg import PgQueue
 from skiplock.queue_impl.plugins import BackendSpec

@@ -15,7 +15,7 @@ import pytest
 
 from skiplock.chaos.target import TargetProcess
 from skiplock.queue_impl.bullmq_worker import job_fields, run_bullmq_worker, run_in_own_loop
-from skiplock.queue_impl.dispatcher import DispatcherConfig
+from skiplock.queue_impl.config import DispatcherConfig
 from skiplock.reports.history import Behaviour, JobScript, Step
 from skiplock.scenarios.servers.redis import REDIS_URL_ENV, RedisServer, redis_server
 

@@ -26,7 +26,9 @@ import psycopg
 import pytest
 from aiohttp import web
 
-from skiplock.queue_impl.dispatcher import Dispatcher, DispatcherConfig, EventSink
+from skiplock.queue_impl.config import DispatcherConfig
+from skiplock.queue_impl.dispatcher import Dispatcher
+from skiplock.queue_impl.events import EventSink
 from skiplock.queue_impl.interface import (
     ACCOUNT_HEADER,
     ATTEMPT_HEADER,

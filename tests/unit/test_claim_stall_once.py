@@ -7,11 +7,11 @@ import json
 import time
 from pathlib import Path
 
-from skiplock.queue_impl.dispatcher import (
+from skiplock.queue_impl.config import DispatcherConfig
+from skiplock.queue_impl.failpoints import (
     PAUSE_IN_CLAIM,
     PAUSE_IN_CLAIM_FIRING,
     PAUSE_IN_CLAIM_SECONDS,
-    DispatcherConfig,
     Failpoints,
 )
 

@@ -9,12 +9,8 @@ from typing import cast
 
 import pytest
 
-from skiplock.queue_impl.dispatcher import (
-    ConfigError,
-    Dispatcher,
-    DispatcherConfig,
-    validate_worker_count,
-)
+from skiplock.queue_impl.config import ConfigError, DispatcherConfig, validate_worker_count
+from skiplock.queue_impl.dispatcher import Dispatcher
 from skiplock.queue_impl.interface import QueueBackend
 
 
@@ -251,5 +247,7 @@ def test_optional_capabilities_are_declared_protocols_not_names() -> None:
     assert isinstance(reference, ClaimCommitHook)
     memory = InMemoryQueue()
     assert not isinstance(memory, HoldsClaims | ThrottledNotify | ClaimCommitHook)
-    source = (Path(__file__).resolve().parents[2] / "queue_impl" / "dispatcher.py").read_text()
-    assert "getattr(self.backend" not in source and "hasattr(backend" not in source
+    folder = Path(__file__).resolve().parents[2] / "queue_impl"
+    for name in ("dispatcher", "deliver", "events", "failpoints", "config"):
+        source = (folder / f"{name}.py").read_text()
+        assert "getattr(self.backend" not in source and "hasattr(backend" not in source, name

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from skiplock.queue_impl.dispatcher import Dispatcher, DispatcherConfig
+from skiplock.queue_impl.config import DispatcherConfig
+from skiplock.queue_impl.dispatcher import Dispatcher
 from skiplock.queue_impl.memory import InMemoryQueue
 
 POLL = 5.0

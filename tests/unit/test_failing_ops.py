@@ -19,7 +19,8 @@ from typing import Any, get_args
 
 import pytest
 
-from skiplock.queue_impl.dispatcher import Dispatcher, DispatcherConfig
+from skiplock.queue_impl.config import DispatcherConfig
+from skiplock.queue_impl.dispatcher import Dispatcher
 from skiplock.queue_impl.interface import Lease
 from skiplock.queue_impl.memory import InMemoryQueue
 from skiplock.reports.checker import Verdict, check_run

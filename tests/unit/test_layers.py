@@ -93,3 +93,70 @@ def test_scenarios_is_four_subpackages_and_the_pytest_entry_point() -> None:
     folders = {p.parent.name for p in scenarios.glob("*/__init__.py")}
     assert not loose, f"modules outside scenarios' subpackages: {sorted(loose)}"
     assert folders == {"cli", "run", "servers", "bench"}, folders
+
+
+def _module_imports(folder: Path, package: str) -> dict[str, set[str]]:
+    """Each module of `folder` (the package `skiplock.<package>`) -> the modules of the same
+    package it imports, at any depth (a lazy import inside a function counts)."""
+    prefix = f"skiplock.{package}."
+    modules = {p.stem for p in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+                if node.module == f"skiplock.{package}":
+                    names = [f"{prefix}{alias.name}" for alias in node.names]
+            found.update(n[len(prefix):].split(".")[0] for n in names if n.startswith(prefix))
+        graph[path.stem] = (found & modules) - {path.stem}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (its modules in order, the first repeated), or None."""
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        if module in path:
+            return [*path[path.index(module):], module]
+        if module in done:
+            return None
+        for imported in sorted(graph.get(module, ())):
+            found = visit(imported, [*path, module])
+            if found is not None:
+                return found
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        found = visit(module, [])
+        if found is not None:
+            return found
+    return None
+
+
+def test_no_import_cycle_inside_queue_impl() -> None:
+    """Modules of the systems under test import one way too: shared pieces (events, config,
+    failpoints, delivery) live in modules that the dispatcher and the native loops both
+    import, never in one of them."""
+    graph = _module_imports(ROOT / "queue_impl", "queue_impl")
+    assert "dispatcher" in graph and graph["native"], graph
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle in queue_impl: " + " -> ".join(cycle or [])
+
+
+def test_the_rule_sees_an_import_cycle(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("from skiplock.queue_impl.b import x\n")
+    (tmp_path / "b.py").write_text("def f():\n    import skiplock.queue_impl.c\n")
+    (tmp_path / "c.py").write_text("from skiplock.queue_impl import a\n")
+    (tmp_path / "d.py").write_text("from skiplock.queue_impl.a import y\n")
+    graph = _module_imports(tmp_path, "queue_impl")
+    assert graph == {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycle(graph) == ["a", "b", "c", "a"]
+    graph["c"] = set()
+    assert _cycle(graph) is None

@@ -16,7 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from skiplock.queue_impl.dispatcher import LEASE_TOO_SHORT, Dispatcher, DispatcherConfig, lease_left
+from skiplock.queue_impl.config import DispatcherConfig
+from skiplock.queue_impl.dispatcher import Dispatcher, lease_left
+from skiplock.queue_impl.events import LEASE_TOO_SHORT
 from skiplock.queue_impl.interface import Account, JobStatus, Lease, NewJob
 from skiplock.queue_impl.memory import InMemoryQueue
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from skiplock.queue_impl.dispatcher import DispatcherConfig
+from skiplock.queue_impl.config import DispatcherConfig
 from skiplock.queue_impl.interface import Account, NewJob, Outcome
 from skiplock.queue_impl.native import (
     NativeConfig,
@@ -35,10 +35,10 @@ def test_a_job_survives_its_encoding() -> None:
 def test_a_plain_config_becomes_a_native_one_without_accounts() -> None:
     plain = DispatcherConfig(batch=3, lease_seconds=7.0, http_timeout_seconds=2.0,
                              write_margin_seconds=1.0)
-    native = NativeConfig.of(plain)
+    native = NativeConfig.native(plain)
     assert (native.batch, native.lease_seconds, native.accounts) == (3, 7.0, ())
     given = NativeConfig(accounts=(Account(id="a", concurrency_limit=2),), max_attempts=5)
-    assert NativeConfig.of(given) is given
+    assert NativeConfig.native(given) is given
 
 
 async def _serve(statuses: dict[str, int]) -> tuple[web.AppRunner, int]:

@@ -40,7 +40,7 @@ def test_the_attempt_is_bullmqs_own_count_and_each_pick_its_own_lease() -> None:
     from types import SimpleNamespace
 
     from skiplock.queue_impl.bullmq_worker import lease_of
-    from skiplock.queue_impl.dispatcher import DispatcherConfig
+    from skiplock.queue_impl.config import DispatcherConfig
 
     def job(made: int, job_id: str = "6bab294e-e54c-4551-a933-0197328a189a") -> SimpleNamespace:
         return SimpleNamespace(id=job_id, attemptsStarted=made + 2, attemptsMade=made,
