@@ -4,7 +4,7 @@
 polls, recovery, renewal, the gather policy, the retry policy. The dispatcher's config extends
 it with what a run adds (the targets it may call, failpoints, the seed); a scenario file names
 the same settings by shorter keys (`lease` for `lease_seconds`), each field's `SCENARIO_KEY`,
-and `skiplock.scenarios.spec.ScenarioSpec.worker_settings` reads them through this table.
+and `skiplock.scenarios.run.spec.ScenarioSpec.worker_settings` reads them through this table.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 
 from skiplock.queue_impl.config import DispatcherConfig, WorkerSettings
-from skiplock.scenarios.runner import dispatcher_config
-from skiplock.scenarios.spec import SCALAR_KEYS, ScenarioSpec, apply_overrides
+from skiplock.scenarios.run.runner import dispatcher_config
+from skiplock.scenarios.run.spec import SCALAR_KEYS, ScenarioSpec, apply_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_FIELDS = {f.name: f for f in dataclasses.fields(ScenarioSpec)}
