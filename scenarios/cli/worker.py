@@ -28,8 +28,9 @@ import psycopg
 
 from skiplock.plumbing.errors import HarnessError, UsageError, sigterm_as_interrupt
 from skiplock.queue_impl.config import ConfigError, DispatcherConfig, validate_worker_count
-from skiplock.queue_impl.dispatcher import BackendFactory
 from skiplock.queue_impl.failpoints import FAILPOINT_EXIT_CODE, FAILPOINT_NAMES
+from skiplock.queue_impl.interface import Account, RunsOwnWorker
+from skiplock.queue_impl.native import NativeConfig
 from skiplock.queue_impl.plugins import (
     BACKEND_NAMES,
     REDIS_BACKENDS,
@@ -52,6 +53,22 @@ def _failpoint(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"{probability!r} is not a probability") from None
 
 
+def _account(text: str) -> Account:
+    name, sep, limit = text.partition("=")
+    if not name.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME or NAME=LIMIT")
+    if not sep:
+        return Account(id=name, concurrency_limit=None)
+    try:
+        value = int(limit)
+        if value < 1:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the limit must be a whole number of at least 1") from None
+    return Account(id=name, concurrency_limit=value)
+
+
 def _crash_loop(text: str) -> CrashLoop:
     deaths, sep, seconds = text.partition("/")
     try:
@@ -64,6 +81,13 @@ def _crash_loop(text: str) -> CrashLoop:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    _worker_arguments(parser)
+    _queue_arguments(parser)
+    _run_arguments(parser)
+    _fault_arguments(parser)
+
+
+def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = DispatcherConfig()
     parser.add_argument("--dsn", help="PostgreSQL DSN (default: $SKIPLOCK_PG_DSN)")
     parser.add_argument(
@@ -104,6 +128,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="idle poll interval (default %(default)s)",
     )
+
+
+def _queue_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend",
         default="pg",
@@ -118,6 +145,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sql", metavar="FILE", help="SQL file whose named blocks replace the reference ones"
     )
+    parser.add_argument(
+        "--account",
+        dest="accounts",
+        action="append",
+        default=[],
+        type=_account,
+        metavar="NAME[=LIMIT]",
+        help="an account a plug-in that runs its own worker loop (e.g. pgqueuer) serves, with "
+        "its concurrency limit (none: unlimited); repeatable. The reference queue reads its "
+        "accounts from the database and needs none",
+    )
+    parser.add_argument(
+        "--max-attempts",
+        type=int,
+        default=NativeConfig().max_attempts,
+        metavar="N",
+        help="attempts per job for such a plug-in (default %(default)s)",
+    )
+
+
+def _run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow-target",
         action="append",
@@ -136,6 +184,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help=f"directory for one event log per worker, WORKER_ID{LOG_SUFFIX} "
         "(default ./worker-events)",
     )
+
+
+def _fault_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed",
         type=int,
@@ -171,9 +222,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_config(args: argparse.Namespace) -> DispatcherConfig:
+def build_config(args: argparse.Namespace) -> NativeConfig:
     """The dispatcher config from the command line; UsageError for any bad value."""
-    config = DispatcherConfig(
+    config = NativeConfig(
+        accounts=tuple(args.accounts),
+        max_attempts=args.max_attempts,
         batch=args.batch,
         lease_seconds=args.lease,
         http_timeout_seconds=args.http_timeout,
@@ -189,6 +242,8 @@ def build_config(args: argparse.Namespace) -> DispatcherConfig:
     )
     try:
         validate_worker_count(args.workers)
+        if args.max_attempts < 1:
+            raise ConfigError(f"--max-attempts must be at least 1, got {args.max_attempts}")
         config.validate()
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
@@ -197,18 +252,7 @@ def build_config(args: argparse.Namespace) -> DispatcherConfig:
 
 def run(args: argparse.Namespace) -> int:
     config = build_config(args)
-    options = backend_options(args)
-    try:
-        validate_backend_name(args.backend)
-        if options and args.backend in BACKEND_NAMES:
-            raise ValueError(f"backend {args.backend!r} takes no --backend-opt (options are "
-                             "passed to a package.module:factory plug-in's factory)")
-        if args.backend in REDIS_BACKENDS:
-            raise ValueError(f"worker serves a queue on PostgreSQL; backend "
-                             f"{args.backend!r} keeps its queue in Redis: run it with "
-                             "`skiplock run SCENARIO --backend bullmq`")
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    options = _backend_options(args)
     if not (args.dsn or os.environ.get(DSN_ENV)):
         # Workers serve a queue that producers also reach: a private embedded server would
         # hold no jobs.
@@ -229,35 +273,13 @@ def run(args: argparse.Namespace) -> int:
                     name=args.backend, dsn=server.dsn, schema=args.schema, sql_path=args.sql,
                     options=options,
                 )
-                _setup(spec)
+                _setup(spec, config)
                 # Ids unique across hosts and invocations (host, pid, counter); a dead
                 # worker is replaced, as `skiplock run` does, until a crash loop.
                 pool = WorkerPool(spec, config, args.workers, args.events_dir,
                                   name_prefix=unique_prefix(), supervise=True,
                                   crash_loop=args.crash_loop)
-                try:
-                    pool.start()
-                    print(
-                        f"skiplock worker: {args.workers} worker(s) ({pool.worker_ids[0]}"
-                        f"{', ...' if args.workers > 1 else ''}), backend {spec.display()}, "
-                        f"batch {config.batch}, lease {config.lease_seconds:g}s, "
-                        f"events in {args.events_dir}; Ctrl-C to stop",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    _watch(pool)
-                except KeyboardInterrupt:
-                    print("skiplock worker: stopping, draining in-flight jobs", file=sys.stderr)
-                    raise
-                finally:
-                    # Ignore a second Ctrl-C / SIGTERM while draining: the pool's own deadline
-                    # SIGKILLs stragglers, so nothing is left behind either way.
-                    signal.signal(signal.SIGINT, signal.SIG_IGN)
-                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-                    try:
-                        pool.stop()
-                    finally:
-                        signal.signal(signal.SIGINT, signal.default_int_handler)
+                _serve(pool, spec, config, args)
         except KeyboardInterrupt as exc:
             interrupted = exc
         finally:
@@ -267,18 +289,67 @@ def run(args: argparse.Namespace) -> int:
                 # Stopped before any worker could write there: leave no empty directory.
                 _remove_if_empty(created)
     if pool is not None:
-        crashed = [
-            f"{worker_id} ({code})"
-            for worker_id, code in zip(pool.worker_ids, pool.exitcodes(), strict=True)
-            if code not in (0, None, -signal.SIGTERM, -signal.SIGKILL, FAILPOINT_EXIT_CODE)
-        ]
-        if crashed:
-            raise HarnessError(f"worker(s) exited with an error: {', '.join(crashed)}")
-        print("skiplock worker: stopped", file=sys.stderr)
+        _say_how_they_stopped(pool)
     if interrupted is not None:
         # Everything is cleaned up: the CLI maps Ctrl-C to 130 and SIGTERM to 143.
         raise interrupted
     return 0
+
+
+def _serve(pool: WorkerPool, spec: BackendSpec, config: NativeConfig,
+           args: argparse.Namespace) -> None:
+    """Run the pool until it gives up or the command is interrupted, then drain it."""
+    try:
+        pool.start()
+        print(
+            f"skiplock worker: {args.workers} worker(s) ({pool.worker_ids[0]}"
+            f"{', ...' if args.workers > 1 else ''}), backend {spec.display()}, "
+            f"batch {config.batch}, lease {config.lease_seconds:g}s, "
+            f"events in {args.events_dir}; Ctrl-C to stop",
+            file=sys.stderr,
+            flush=True,
+        )
+        _watch(pool)
+    except KeyboardInterrupt:
+        print("skiplock worker: stopping, draining in-flight jobs", file=sys.stderr)
+        raise
+    finally:
+        # Ignore a second Ctrl-C / SIGTERM while draining: the pool's own deadline
+        # SIGKILLs stragglers, so nothing is left behind either way.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            pool.stop()
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _backend_options(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """The plug-in's options, once the backend is known to be one this command can run."""
+    options = backend_options(args)
+    try:
+        validate_backend_name(args.backend)
+        if options and args.backend in BACKEND_NAMES:
+            raise ValueError(f"backend {args.backend!r} takes no --backend-opt (options are "
+                             "passed to a package.module:factory plug-in's factory)")
+        if args.backend in REDIS_BACKENDS:
+            raise ValueError(f"worker serves a queue on PostgreSQL; backend "
+                             f"{args.backend!r} keeps its queue in Redis: run it with "
+                             "`skiplock run SCENARIO --backend bullmq`")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return options
+
+
+def _say_how_they_stopped(pool: WorkerPool) -> None:
+    crashed = [
+        f"{worker_id} ({code})"
+        for worker_id, code in zip(pool.worker_ids, pool.exitcodes(), strict=True)
+        if code not in (0, None, -signal.SIGTERM, -signal.SIGKILL, FAILPOINT_EXIT_CODE)
+    ]
+    if crashed:
+        raise HarnessError(f"worker(s) exited with an error: {', '.join(crashed)}")
+    print("skiplock worker: stopped", file=sys.stderr)
 
 
 def _make_events_dir(path: Path) -> list[Path]:
@@ -310,12 +381,18 @@ def _remove_if_empty(created: list[Path]) -> None:
             directory.rmdir()
 
 
-def _setup(spec: BackendFactory) -> None:
+def _setup(spec: BackendSpec, config: NativeConfig) -> None:
     """Create the schema once, before the workers start, so bad SQL or an unreachable
-    server is one clear line rather than N crashing children."""
+    server is one clear line rather than N crashing children. A plug-in that runs its own
+    worker loop serves only the accounts it is told: without any it would serve nothing."""
     try:
         backend = spec.create()
         try:
+            if isinstance(backend, RunsOwnWorker) and not config.accounts:
+                raise ValueError(
+                    f"backend {spec.display()} runs its own worker loop, which serves only the "
+                    "accounts it is given: add --account NAME[=LIMIT] for each account its "
+                    "jobs use")
             backend.setup()
         finally:
             backend.close()

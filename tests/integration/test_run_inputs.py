@@ -299,3 +299,18 @@ def test_a_plugins_own_jobs_table_is_never_read(pg_dsn: str, tmp_path: Path) -> 
             for (name,) in conn.execute("SELECT nspname FROM pg_namespace "
                                         "WHERE nspname LIKE 'skiplock%\\_q'").fetchall():
                 conn.execute(f'DROP SCHEMA "{name}" CASCADE')
+
+
+def test_worker_with_a_native_loop_needs_the_accounts_it_serves(pg_dsn: str,
+                                                                tmp_path: Path) -> None:
+    """A plug-in that runs its own worker loop serves only the accounts it is told; without
+    any it would start, serve nothing and look healthy."""
+    pytest.importorskip("pgqueuer")
+    line = refused(skiplock("worker", "--dsn", pg_dsn, "--backend",
+                            "skiplock.queue_impl.pgqueuer_backend:factory",
+                            "--schema", "native_accounts", "--events-dir", tmp_path / "ev"))
+    assert "add --account NAME[=LIMIT]" in line
+    assert not (tmp_path / "ev").exists() or not any((tmp_path / "ev").iterdir())
+    for bad in ("=3", "a=0", "a=x"):
+        line = refused(skiplock("worker", "--dsn", pg_dsn, "--account", bad))
+        assert "--account" in line, line
