@@ -33,7 +33,7 @@ from skiplock.reports.checker.anomalies import (
     unexpected,
 )
 from skiplock.reports.checker.common import Example
-from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.excuses import Excuses
 from skiplock.reports.checker.frame import Frame
 from skiplock.reports.history import (
     DELIVERIES_DIR,
@@ -61,7 +61,7 @@ class Anomaly:
     not_applicable: Callable[[Guarantees], str | None] = lambda _promised: None
 
     @property
-    def find(self) -> Callable[[Frame, Explained], Iterable[Example]]:
+    def find(self) -> Callable[[Frame, Excuses], Iterable[Example]]:
         return self.module.find  # type: ignore[no-any-return]
 
     @property
