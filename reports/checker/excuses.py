@@ -57,6 +57,7 @@ class Excuses:
         """Each repeated 2xx -> (the success before it, what explains running it again)."""
         f, rows = self.frame, self.frame.rows
         out: dict[int, tuple[int, Why | None]] = {}
+        self.explainer.prefetch(rows.job[rows.duplicates].tolist())
         for i in rows.duplicates.tolist():
             j = int(rows.job[i])
             earlier = [r for r in f.rows_of(j) if r < i and rows.success_2xx[r]][-1]
@@ -69,6 +70,7 @@ class Excuses:
     def _overlaps(self) -> dict[int, Overlap]:
         f, rows, tol = self.frame, self.frame.rows, self.frame.tolerance
         out: dict[int, Overlap] = {}
+        self.explainer.prefetch(rows.job[rows.overlapping].tolist())
         for i in rows.overlapping.tolist():
             j = int(rows.job[i])
             overlapping = [r for r in f.rows_of(j)
@@ -104,6 +106,7 @@ class Excuses:
         number = np.floor(rows.attempt)
         repick = ~rows.first_of_job & (rows.attempt != number)
         repick[1:] &= number[:-1] == number[1:]
+        self.explainer.prefetch(rows.job[repick].tolist())
         for r in np.flatnonzero(repick).tolist():
             why = self.explainer.explain(f.record(r - 1), float(rows.received[r]),
                                          timeouts=False)
@@ -155,6 +158,7 @@ class Excuses:
         out: dict[int, list[int]] = {}
         asked = np.flatnonzero(jobs.failed_vs_oracle).tolist() + [
             j for j in np.flatnonzero(jobs.failed_early).tolist() if not jobs.failed_vs_oracle[j]]
+        self.explainer.prefetch(asked)
         for j in asked:
             if self.consumed(j) is not None:
                 continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,18 +86,32 @@ class Explainer:
             if rec["kind"] == "failpoint" or str(rec["reason"]).startswith("error"):
                 self.deaths[str(rec["worker"])].append(rec)
 
+    def prefetch(self, jobs: Iterable[int]) -> None:
+        """Read the recorded events of `jobs` in one pass: a caller about to ask about many
+        jobs says which first (one job at a time, each lookup would cost a pass over the
+        events' nested data)."""
+        wanted = np.array(sorted({int(j) for j in jobs} - self._of_job.keys()), dtype=np.int64)
+        if not len(wanted):
+            return
+        lo = np.searchsorted(self._sorted_jobs, wanted, "left")
+        hi = np.searchsorted(self._sorted_jobs, wanted, "right")
+        idx = np.sort(np.concatenate([self._order[a:b] for a, b in
+                                      zip(lo.tolist(), hi.tolist(), strict=True)]))
+        found: dict[int, dict[float, list[dict[str, Any]]]] = {int(j): {} for j in wanted}
+        ev = self._history.events.iloc[idx]
+        data = self._history.event_data.pick(ev.index.to_numpy())
+        for rec, value in zip(records(ev), data, strict=True):
+            if not math.isnan(rec["attempt"]):
+                found[int(rec["job"])].setdefault(float(rec["attempt"]), []).append(
+                    _with_data(rec, value))
+        self._of_job.update(found)
+
     def attempts(self, job: int) -> dict[float, list[dict[str, Any]]]:
         """The job's recorded events by attempt, keyed by the attempt as read: a whole
-        number, or a re-pick's key a fraction above it (load.key_picks_by_lease)."""
+        number, or a re-pick's key a fraction above it (load.key_picks_by_lease), each list
+        in log order."""
         if job not in self._of_job:
-            lo, hi = np.searchsorted(self._sorted_jobs, [job, job + 1])
-            ev = self._history.events.iloc[self._order[lo:hi]]
-            found: dict[float, list[dict[str, Any]]] = defaultdict(list)
-            for rec, value in zip(records(ev), self._history.event_data.pick(
-                    ev.index.to_numpy()), strict=True):
-                if not math.isnan(rec["attempt"]):
-                    found[float(rec["attempt"])].append(_with_data(rec, value))
-            self._of_job[job] = dict(found)
+            self.prefetch((job,))
         return self._of_job[job]
 
     def _events(self, job: int, attempt: float) -> list[dict[str, Any]]:

@@ -119,7 +119,9 @@ def _unknown_state(f: Frame, e: Excuses) -> list[str]:
     live = int((jobs.is_live & jobs.exists).sum())
     if not cfg.drained and live:
         unknown.append(f"the drain timed out with {live} jobs still live")
-    absent = sum(1 for j in np.flatnonzero(lost.candidates(f) & jobs.is_missing).tolist()
+    unseen = np.flatnonzero(lost.candidates(f) & jobs.is_missing)
+    e.explainer.prefetch(unseen.tolist())
+    absent = sum(1 for j in unseen.tolist()
                  if e.absence_unjudged(j))
     if not jobs.snapshot_complete:
         absent += int(state_mismatch.absent_with_2xx(f).sum())

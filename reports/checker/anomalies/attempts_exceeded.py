@@ -56,7 +56,9 @@ def _after_permanent(f: Frame, e: Excuses,
                      exceeded: dict[int, Example]) -> Iterator[tuple[int, Example]]:
     rows = f.rows
     found: set[int] = set()
-    for i in after_permanent(f).tolist():
+    after = after_permanent(f)
+    e.explainer.prefetch(rows.job[after].tolist())
+    for i in after.tolist():
         j = int(rows.job[i])
         if j in exceeded or j in found:
             continue

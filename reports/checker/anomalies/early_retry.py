@@ -60,6 +60,7 @@ def candidates(f: Frame) -> Backoff:
 def find(f: Frame, e: Excuses) -> Iterator[Example]:
     rows, tol = f.rows, f.tolerance
     backoff = candidates(f)
+    e.explainer.prefetch(rows.job[backoff.early].tolist())
     for p in backoff.early.tolist():
         j = int(rows.job[p])
         i = p + 1

@@ -25,7 +25,9 @@ def candidates(f: Frame) -> np.ndarray:
 
 def find(f: Frame, e: Excuses) -> Iterator[Example]:
     jobs = f.jobs
-    for j in np.flatnonzero(candidates(f)).tolist():
+    lost = np.flatnonzero(candidates(f))
+    e.explainer.prefetch(lost.tolist())
+    for j in lost.tolist():
         if jobs.is_missing[j]:
             if not e.absence_unjudged(j):
                 yield Example(f.job_id(j), "absent", {})

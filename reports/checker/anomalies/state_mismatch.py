@@ -29,6 +29,9 @@ def absent_with_2xx(f: Frame) -> np.ndarray:
 
 def find(f: Frame, e: Excuses) -> Iterator[Example]:
     jobs = f.jobs
+    e.explainer.prefetch(np.flatnonzero(
+        (jobs.is_completed & jobs.any_2xx & ~jobs.visible_2xx) | (jobs.is_failed & jobs.in_time_2xx)
+        | jobs.failed_vs_oracle | jobs.failed_early).tolist())
     for j in np.flatnonzero(jobs.is_completed & ~jobs.any_2xx).tolist():
         yield Example(f.job_id(j), "completed_without_2xx", {})
     yield from _completed_late(f, e)
