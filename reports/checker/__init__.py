@@ -47,8 +47,10 @@ from typing import Any, Literal
 
 from skiplock.reports.checker.anomalies import ANOMALIES, BY_KIND
 from skiplock.reports.checker.common import DEFAULT_TOLERANCE_SECONDS, MAX_EXAMPLES
+from skiplock.reports.checker.join import History
 from skiplock.reports.checker.judge import DESCRIPTIVE_COUNTS, Findings, judge
-from skiplock.reports.checker.load import History, RunConfig, read_history
+from skiplock.reports.checker.load import read_history
+from skiplock.reports.checker.run_config import RunConfig
 from skiplock.reports.history import (
     DELIVERIES_DIR,
     ENQUEUES_FILE,

@@ -24,7 +24,8 @@ from skiplock.reports.checker.faults import (
     fault_end,
     fault_span,
 )
-from skiplock.reports.checker.load import History, data_dict
+from skiplock.reports.checker.join import History
+from skiplock.reports.checker.read import data_dict
 
 # How long after it was due a retry's claim may come (a poll, a busy worker), for the window
 # in which a kill may have hidden it (Explainer._unlogged_claim).

@@ -23,7 +23,8 @@ import numpy as np
 import pandas as pd
 
 from skiplock.queue_impl.interface import JobStatus
-from skiplock.reports.checker.load import History, RunConfig
+from skiplock.reports.checker.join import History
+from skiplock.reports.checker.run_config import RunConfig
 from skiplock.reports.history import HistoryError
 from skiplock.reports.oracle import Expected, OracleCache, script_from_payload
 

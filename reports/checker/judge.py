@@ -22,7 +22,7 @@ from skiplock.reports.checker.common import (
 )
 from skiplock.reports.checker.excuses import Excuses
 from skiplock.reports.checker.frame import Frame, build
-from skiplock.reports.checker.load import History
+from skiplock.reports.checker.join import History
 from skiplock.reports.checker.slots import account_slots
 from skiplock.reports.history import FINAL_JOBS_FILE
 
