@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from skiplock.reports.checker.common import attempt_label, floats, fmt, records
+from skiplock.reports.checker.common import attempt_label, fmt, records
 from skiplock.reports.checker.faults import (
     DATABASE_FAULTS,
     TARGET_FAULTS,
@@ -432,7 +432,7 @@ def http_ends(h: History, job: np.ndarray, attempt: np.ndarray) -> np.ndarray:
     table = pd.DataFrame({
         "job": http["job"].to_numpy(),
         "attempt": http["attempt"].to_numpy(),
-        "end": floats(h.event_data.field("end", http.index.to_numpy())),
+        "end": h.event_data.numbers("end", http.index.to_numpy()),
     }).dropna().groupby(["job", "attempt"], sort=False)["end"].min().reset_index()
     want = pd.DataFrame({"job": job, "attempt": attempt, "row": np.arange(len(job))})
     merged = want.merge(table, on=["job", "attempt"], how="inner")

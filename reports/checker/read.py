@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import mmap
 import os
 import stat
@@ -175,6 +176,13 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
+def _number(value: Any) -> float:
+    """A value as read, as a float: NaN for anything but a number."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return math.nan
+
+
 @dataclass
 class Nested:
     """A column of objects (an enqueue's script, a worker event's data): Arrow struct
@@ -196,6 +204,26 @@ class Nested:
             else:
                 out.extend(map(_without_nulls, part.take(pa.array(local)).to_pylist()))
         return out
+
+    def numbers(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """One number field of the objects at `rows` (ascending) as float64: NaN where it is
+        absent or not a number. Arrow's columns are converted whole, without a Python value
+        per row."""
+        values = np.full(len(rows), np.nan)
+        which = np.searchsorted(self.starts, rows, side="right") - 1
+        for k in np.unique(which).tolist():
+            at = which == k
+            local = rows[at] - self.starts[k]
+            part = self.parts[k]
+            if isinstance(part, list):
+                values[at] = [_number(data_dict(part[i]).get(name)) for i in local.tolist()]
+            elif part.type.get_field_index(name) >= 0:
+                column = pc.struct_field(part.take(pa.array(local)), name)
+                if pa.types.is_floating(column.type) or pa.types.is_integer(column.type):
+                    values[at] = column.to_numpy(zero_copy_only=False).astype(np.float64)
+                else:
+                    values[at] = [_number(v) for v in column.to_pylist()]
+        return values
 
     def field(self, name: str, rows: np.ndarray) -> np.ndarray:
         """One field of the objects at `rows` (ascending), None where absent."""

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from skiplock.reports.checker.common import floats
 from skiplock.reports.checker.faults import STOP_EVERY_WORKER, fault_end
 from skiplock.reports.checker.frame import Frame
 
@@ -67,7 +66,7 @@ def waits(f: Frame) -> Waits:
     sent = first.copy()
     if len(f.claims):
         c = f.claims
-        started = floats(h.event_data.field("started", c.index.to_numpy()))
+        started = h.event_data.numbers("started", c.index.to_numpy())
         table = pd.DataFrame({"job": c["job"].to_numpy(), "time": c["time"].to_numpy(),
                               "sent": np.fmin(started, c["time"].to_numpy())})
         by_job = table.groupby("job")[["time", "sent"]].min()

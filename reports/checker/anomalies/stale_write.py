@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pandas as pd
 
-from skiplock.reports.checker.common import Example, attempt_number, floats, fmt, records, shown
+from skiplock.reports.checker.common import Example, attempt_number, fmt, records, shown
 from skiplock.reports.checker.excuses import Excuses
 from skiplock.reports.checker.frame import Frame
 
@@ -32,7 +32,7 @@ def candidates(f: Frame) -> pd.DataFrame:
 def write_sent(f: Frame, writes: pd.DataFrame) -> np.ndarray:
     """When each write event's statement went out: its `started`, or the time it was logged
     (after the commit, maybe much later) where that is earlier or `started` is missing."""
-    started = floats(f.h.event_data.field("started", writes.index.to_numpy()))
+    started = f.h.event_data.numbers("started", writes.index.to_numpy())
     logged = writes["time"].to_numpy()
     return np.where(np.isnan(started), logged, np.minimum(started, logged))
 
