@@ -27,11 +27,23 @@ def absent_with_2xx(f: Frame) -> np.ndarray:
     return absent
 
 
+def completed_late(f: Frame) -> np.ndarray:
+    """COMPLETED jobs whose every 2xx came too late for a worker to see it."""
+    jobs = f.jobs
+    mask: np.ndarray = jobs.is_completed & jobs.any_2xx & ~jobs.visible_2xx
+    return mask
+
+
+def failed_after_2xx(f: Frame) -> np.ndarray:
+    """FAILED jobs the target answered 2xx in time."""
+    mask: np.ndarray = f.jobs.is_failed & f.jobs.in_time_2xx
+    return mask
+
+
 def find(f: Frame, e: Excuses) -> Iterator[Example]:
     jobs = f.jobs
-    e.explainer.prefetch(np.flatnonzero(
-        (jobs.is_completed & jobs.any_2xx & ~jobs.visible_2xx) | (jobs.is_failed & jobs.in_time_2xx)
-        | jobs.failed_vs_oracle | jobs.failed_early).tolist())
+    e.explainer.prefetch(np.flatnonzero(completed_late(f) | failed_after_2xx(f)
+                                        | jobs.failed_vs_oracle | jobs.failed_early).tolist())
     for j in np.flatnonzero(jobs.is_completed & ~jobs.any_2xx).tolist():
         yield Example(f.job_id(j), "completed_without_2xx", {})
     yield from _completed_late(f, e)
@@ -53,9 +65,8 @@ def find(f: Frame, e: Excuses) -> Iterator[Example]:
 
 
 def _completed_late(f: Frame, e: Excuses) -> Iterator[Example]:
-    rows, jobs = f.rows, f.jobs
-    # Every 2xx came too late for a worker to see it.
-    for j in np.flatnonzero(jobs.is_completed & jobs.any_2xx & ~jobs.visible_2xx).tolist():
+    rows = f.rows
+    for j in np.flatnonzero(completed_late(f)).tolist():
         late_rows = [r for r in f.rows_of(j) if rows.success_2xx[r]]
         if any(e.explainer.late_success(f.record(r)) is not None for r in late_rows):
             continue
@@ -67,8 +78,8 @@ def _completed_late(f: Frame, e: Excuses) -> Iterator[Example]:
 
 
 def _failed_with_2xx(f: Frame, e: Excuses) -> Iterator[Example]:
-    rows, jobs = f.rows, f.jobs
-    for j in np.flatnonzero(jobs.is_failed & jobs.in_time_2xx).tolist():
+    rows = f.rows
+    for j in np.flatnonzero(failed_after_2xx(f)).tolist():
         ok_rows = [r for r in f.rows_of(j) if rows.success_2xx[r] and rows.in_time[r]]
         if not any(e.explainer.explain(
                 f.record(r),
