@@ -47,8 +47,10 @@ from typing import Any, Literal
 
 from skiplock.reports.checker.anomalies import ANOMALIES, BY_KIND
 from skiplock.reports.checker.common import DEFAULT_TOLERANCE_SECONDS, MAX_EXAMPLES
-from skiplock.reports.checker.judge import DESCRIPTIVE_COUNTS, judge
-from skiplock.reports.checker.load import History, RunConfig, read_history
+from skiplock.reports.checker.join import History
+from skiplock.reports.checker.judge import DESCRIPTIVE_COUNTS, Findings, judge
+from skiplock.reports.checker.load import read_history
+from skiplock.reports.checker.run_config import RunConfig
 from skiplock.reports.history import (
     DELIVERIES_DIR,
     ENQUEUES_FILE,
@@ -158,8 +160,40 @@ def check_run(run_dirs: Sequence[Path], *,
             history.config, objectives=history.config.objectives.with_overrides(objectives)))
     loaded, cpu_loaded = time.perf_counter(), time.process_time()
     found = judge(history, tolerance_seconds)
-    unknown, details = found.unknown, found.details
     judged, cpu_judged = time.perf_counter(), time.process_time()
+    valid = _decide(history, found)
+    details = found.details
+    details["worker_files"] = history.worker_files
+    if history.config.objectives:
+        details["objectives"] = history.config.objectives.to_json()
+        if objectives:
+            details["objectives_changed_by_check"] = [f"{k}={v}" for k, v in objectives]
+    if history.repicks:
+        # Claims of a job under the number of an earlier pick, told apart by lease token.
+        details["repicks_keyed_by_lease"] = history.repicks
+    return Verdict(
+        valid=valid,
+        counts=found.counts,
+        examples={k: found.examples[k] for k in EXAMPLE_KINDS if found.examples.get(k)},
+        unknown_reasons=tuple(found.unknown),
+        files=tuple(history.files),
+        details=details,
+        timings={
+            "load_seconds": round(loaded - started, 4),
+            "judge_seconds": round(judged - loaded, 4),
+            "total_seconds": round(judged - started, 4),
+            # CPU time of this process: on a shared machine, wall time includes waiting.
+            "load_cpu_seconds": round(cpu_loaded - cpu_started, 4),
+            "judge_cpu_seconds": round(cpu_judged - cpu_loaded, 4),
+        },
+    )
+
+
+def _decide(history: History, found: Findings) -> Valid:
+    """The verdict from what was found: adds to `found.unknown` what the history as read
+    cannot decide, and holds back the violations a missing part of it may have caused
+    (they are counted, and listed in `found.details["not_judged"]`)."""
+    unknown, details = found.unknown, found.details
     unknown.extend(history.truncated)
     if history.config.exit_reason != "completed":
         unknown.append(f"the run ended with {history.config.exit_reason!r}")
@@ -182,37 +216,9 @@ def check_run(run_dirs: Sequence[Path], *,
                "them")
         unknown.append(f"not judged: {', '.join(f'{n} {k}' for k, n in held.items())}: {why}")
         details["not_judged"] = held
-    valid: Valid
     if any(found.counts[k] > 0 for k in VIOLATION_KEYS if k not in held):
-        valid = False
-    elif unknown:
-        valid = "unknown"
-    else:
-        valid = True
-    details["worker_files"] = history.worker_files
-    if history.config.objectives:
-        details["objectives"] = history.config.objectives.to_json()
-        if objectives:
-            details["objectives_changed_by_check"] = [f"{k}={v}" for k, v in objectives]
-    if history.repicks:
-        # Claims of a job under the number of an earlier pick, told apart by lease token.
-        details["repicks_keyed_by_lease"] = history.repicks
-    return Verdict(
-        valid=valid,
-        counts=found.counts,
-        examples={k: found.examples[k] for k in EXAMPLE_KINDS if found.examples.get(k)},
-        unknown_reasons=tuple(unknown),
-        files=tuple(history.files),
-        details=details,
-        timings={
-            "load_seconds": round(loaded - started, 4),
-            "judge_seconds": round(judged - loaded, 4),
-            "total_seconds": round(judged - started, 4),
-            # CPU time of this process: on a shared machine, wall time includes waiting.
-            "load_cpu_seconds": round(cpu_loaded - cpu_started, 4),
-            "judge_cpu_seconds": round(cpu_judged - cpu_loaded, 4),
-        },
-    )
+        return False
+    return "unknown" if unknown else True
 
 
 __all__ = [

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from skiplock.reports.checker.anomalies import ANOMALIES, Anomaly
+from skiplock.reports.checker.anomalies import ANOMALIES, Anomaly, lost, state_mismatch
 from skiplock.reports.checker.common import (
     MAX_EXAMPLES,
     Example,
@@ -20,9 +20,10 @@ from skiplock.reports.checker.common import (
     records,
     times_from,
 )
-from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.excuses import Excuses
 from skiplock.reports.checker.frame import Frame, build
-from skiplock.reports.checker.load import History
+from skiplock.reports.checker.join import History
+from skiplock.reports.checker.slots import account_slots
 from skiplock.reports.history import FINAL_JOBS_FILE
 
 DESCRIPTIVE_COUNTS: tuple[str, ...] = ("enqueued", "delivered", "completed", "failed")
@@ -51,9 +52,9 @@ def judge(h: History, tolerance: float) -> Findings:
 
 def _judge(h: History, tolerance: float) -> Findings:
     frame = build(h, tolerance)
-    explained = Explained(frame)
+    excuses = Excuses(frame)
     found = Findings(counts=_descriptive_counts(frame), examples={})
-    found.unknown.extend(_unknown_state(frame, explained))
+    found.unknown.extend(_unknown_state(frame, excuses))
     failed_rules: dict[str, str] = {}
     not_applicable: dict[str, str] = {}
     for anomaly in ANOMALIES:
@@ -66,7 +67,7 @@ def _judge(h: History, tolerance: float) -> Findings:
             found.examples[anomaly.kind] = []
             continue
         try:
-            count, shown = _apply(anomaly, frame, explained)
+            count, shown = _apply(anomaly, frame, excuses)
         except Exception as exc:
             failed_rules[anomaly.kind] = f"{type(exc).__name__}: {exc}"
             count, shown = 0, []
@@ -79,17 +80,17 @@ def _judge(h: History, tolerance: float) -> Findings:
     if not_applicable:
         found.details["not_applicable"] = not_applicable
     found.unknown.extend(_unknown_history(frame, found.details))
-    found.details.update(_details(frame, explained))
+    found.details.update(_details(frame, excuses))
     return found
 
 
-def _apply(anomaly: Anomaly, frame: Frame, explained: Explained
+def _apply(anomaly: Anomaly, frame: Frame, excuses: Excuses
            ) -> tuple[int, list[dict[str, Any]]]:
     """How many times the anomaly occurs, and its first examples as the verdict shows them:
     the job, the sentence, and the evidence it was said from."""
     count = 0
     kept: list[Example] = []
-    for example in anomaly.find(frame, explained):
+    for example in anomaly.find(frame, excuses):
         count += 1
         if len(kept) < MAX_EXAMPLES:
             kept.append(example)
@@ -106,7 +107,7 @@ def _descriptive_counts(f: Frame) -> dict[str, int]:
     }
 
 
-def _unknown_state(f: Frame, e: Explained) -> list[str]:
+def _unknown_state(f: Frame, e: Excuses) -> list[str]:
     """What the final states and the drain leave undecided."""
     jobs, cfg = f.jobs, f.cfg
     unknown: list[str] = []
@@ -118,10 +119,12 @@ def _unknown_state(f: Frame, e: Explained) -> list[str]:
     live = int((jobs.is_live & jobs.exists).sum())
     if not cfg.drained and live:
         unknown.append(f"the drain timed out with {live} jobs still live")
-    absent = sum(1 for j in np.flatnonzero(jobs.lost_candidate & jobs.is_missing).tolist()
+    unseen = np.flatnonzero(lost.candidates(f) & jobs.is_missing)
+    e.explainer.prefetch(unseen.tolist())
+    absent = sum(1 for j in unseen.tolist()
                  if e.absence_unjudged(j))
     if not jobs.snapshot_complete:
-        absent += int(jobs.absent_2xx.sum())
+        absent += int(state_mismatch.absent_with_2xx(f).sum())
     if absent:
         unknown.append(f"{absent} acknowledged jobs have no row in {FINAL_JOBS_FILE} "
                        "and the snapshot is not known to be whole")
@@ -165,10 +168,10 @@ def _unknown_history(f: Frame, details: dict[str, Any]) -> list[str]:
     return unknown
 
 
-def _details(f: Frame, e: Explained) -> dict[str, Any]:
+def _details(f: Frame, e: Excuses) -> dict[str, Any]:
     h, jobs = f.h, f.jobs
     details: dict[str, Any] = {}
-    slots = f.account_slots
+    slots = f.derived(account_slots)
     if len(slots.excused):
         details["limit_excused"] = {"count": len(slots.excused), "examples": [
             {"job_id": f.job_id(int(f.rows.job[r])),

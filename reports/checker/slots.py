@@ -7,15 +7,12 @@ attempt)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
-from skiplock.reports.checker.explain import http_ends, lease_last
-
-if TYPE_CHECKING:
-    from skiplock.reports.checker.frame import Frame
+from skiplock.reports.checker.faults_over_attempts import http_ends, lease_last
+from skiplock.reports.checker.frame import Frame
 
 _NONE = np.zeros(0, dtype=np.int64)
 

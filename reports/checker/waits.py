@@ -11,16 +11,13 @@ failpoint (`[failpoints]`, recorded in its event log) opens such a window too.""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
-from skiplock.reports.checker.common import floats
 from skiplock.reports.checker.faults import STOP_EVERY_WORKER, fault_end
+from skiplock.reports.checker.frame import Frame
 
-if TYPE_CHECKING:
-    from skiplock.reports.checker.frame import Frame
 
 def stops_every_worker(fault: dict[str, object]) -> bool:
     """Whether a fault stops every worker: the database gone or refusing every session
@@ -69,7 +66,7 @@ def waits(f: Frame) -> Waits:
     sent = first.copy()
     if len(f.claims):
         c = f.claims
-        started = floats(h.event_data.field("started", c.index.to_numpy()))
+        started = h.event_data.numbers("started", c.index.to_numpy())
         table = pd.DataFrame({"job": c["job"].to_numpy(), "time": c["time"].to_numpy(),
                               "sent": np.fmin(started, c["time"].to_numpy())})
         by_job = table.groupby("job")[["time", "sent"]].min()

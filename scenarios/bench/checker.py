@@ -53,6 +53,61 @@ def _timestamp(seconds: float) -> str:
     return str(datetime.fromtimestamp(seconds, UTC))
 
 
+def _extra(created: float, finished: float, worker: str) -> dict[str, str]:
+    """What the reference queue's snapshot keeps beside the judged columns: a quoted JSON
+    field on every row, as in a real final_jobs.csv."""
+    return {"created_at": _timestamp(created), "finished_at": _timestamp(finished),
+            "locked_by": worker, "run_at": _timestamp(created)}
+
+
+def _succeed(b: RunBuilder, job_id: str, account: str, worker: str, clock: float) -> int:
+    """A job that succeeds at once: one delivery."""
+    b.enqueue(job_id, script=_SUCCEED, account=account, time=clock)
+    b.attempt(job_id, 1, claimed=clock + 0.01, worker=worker, account=account)
+    b.final(job_id, "COMPLETED", account=account, extra=_extra(clock, clock + 0.03, worker))
+    return 1
+
+
+def _retry(b: RunBuilder, job_id: str, account: str, worker: str, clock: float) -> int:
+    """A job that fails twice with 503, waits out its backoff, then succeeds."""
+    b.enqueue(job_id, script=_FAIL_TWICE, max_attempts=5, account=account, time=clock)
+    t = clock + 0.01
+    for attempt in (1, 2):
+        b.attempt(job_id, attempt, claimed=t, status=503, worker=worker, account=account,
+                  behaviour="status")
+        t += 0.5 * 2 ** (attempt - 1) + 0.05
+    b.attempt(job_id, 3, claimed=t, worker=worker, account=account)
+    b.final(job_id, "COMPLETED", attempts=3, max_attempts=5, account=account,
+            extra=_extra(clock, t + 0.03, worker))
+    return 3
+
+
+def _dead(b: RunBuilder, job_id: str, account: str, worker: str, clock: float) -> int:
+    """A job answered 400: dead-lettered after one delivery."""
+    b.enqueue(job_id, script=_ALWAYS_400, account=account, time=clock)
+    b.attempt(job_id, 1, claimed=clock + 0.01, status=400, worker=worker, account=account,
+              behaviour="status")
+    b.final(job_id, "FAILED", account=account, last_error="HTTP 400",
+            extra=_extra(clock, clock + 0.03, worker))
+    return 1
+
+
+def _duplicate(b: RunBuilder, job_id: str, account: str, worker: str, clock: float) -> int:
+    """A job whose first result write was lost with its connection: delivered twice, the
+    second explained."""
+    b.enqueue(job_id, script=_SUCCEED, account=account, time=clock)
+    b.attempt(job_id, 1, claimed=clock + 0.01, worker=worker, account=account, write="info")
+    b.attempt(job_id, 2, claimed=clock + 10.02, worker=worker, account=account)
+    b.final(job_id, "COMPLETED", attempts=2, account=account,
+            extra=_extra(clock, clock + 10.05, worker))
+    return 2
+
+
+# Each kind of job with its share of jobs (cumulative), in the order a roll picks them.
+_MIX = (("succeed", 0.90, _succeed), ("retry", 0.95, _retry), ("dead", 0.99, _dead),
+        ("duplicate", 1.0, _duplicate))
+
+
 def build_synthetic(run_dir: Path, deliveries: int, *, workers: int = 4, accounts: int = 8,
                     seed: int = 1) -> dict[str, int]:
     """A fault-free-looking history with about `deliveries` deliveries: 90% of jobs succeed
@@ -66,58 +121,16 @@ def build_synthetic(run_dir: Path, deliveries: int, *, workers: int = 4, account
     made = 0
     job = 0
     clock = 1_000_000.0
-    mix = {"succeed": 0, "retry": 0, "dead": 0, "duplicate": 0}
-
-    def extra(created: float, finished: float, worker: str) -> dict[str, str]:
-        # What the reference queue's snapshot keeps beside the judged columns: a quoted
-        # JSON field on every row, as in a real final_jobs.csv.
-        return {"created_at": _timestamp(created), "finished_at": _timestamp(finished),
-                "locked_by": worker, "run_at": _timestamp(created)}
-
+    mix = {name: 0 for name, _, _ in _MIX}
     while made < deliveries:
         job_id = f"00000000-0000-4000-8000-{job:012d}"
         job += 1
-        account = f"acct-{job % accounts}"
-        worker = f"worker-{job % workers}"
         clock += 0.0005
         roll = rng.random()
-        if roll < 0.90:
-            builder.enqueue(job_id, script=_SUCCEED, account=account, time=clock)
-            builder.attempt(job_id, 1, claimed=clock + 0.01, worker=worker, account=account)
-            builder.final(job_id, "COMPLETED", account=account,
-                          extra=extra(clock, clock + 0.03, worker))
-            made += 1
-            mix["succeed"] += 1
-        elif roll < 0.95:
-            builder.enqueue(job_id, script=_FAIL_TWICE, max_attempts=5, account=account,
-                            time=clock)
-            t = clock + 0.01
-            for attempt in (1, 2):
-                builder.attempt(job_id, attempt, claimed=t, status=503, worker=worker,
-                                account=account, behaviour="status")
-                t += 0.5 * 2 ** (attempt - 1) + 0.05
-            builder.attempt(job_id, 3, claimed=t, worker=worker, account=account)
-            builder.final(job_id, "COMPLETED", attempts=3, max_attempts=5, account=account,
-                          extra=extra(clock, t + 0.03, worker))
-            made += 3
-            mix["retry"] += 1
-        elif roll < 0.99:
-            builder.enqueue(job_id, script=_ALWAYS_400, account=account, time=clock)
-            builder.attempt(job_id, 1, claimed=clock + 0.01, status=400, worker=worker,
-                            account=account, behaviour="status")
-            builder.final(job_id, "FAILED", account=account, last_error="HTTP 400",
-                          extra=extra(clock, clock + 0.03, worker))
-            made += 1
-            mix["dead"] += 1
-        else:
-            builder.enqueue(job_id, script=_SUCCEED, account=account, time=clock)
-            builder.attempt(job_id, 1, claimed=clock + 0.01, worker=worker, account=account,
-                            write="info")
-            builder.attempt(job_id, 2, claimed=clock + 10.02, worker=worker, account=account)
-            builder.final(job_id, "COMPLETED", attempts=2, account=account,
-                          extra=extra(clock, clock + 10.05, worker))
-            made += 2
-            mix["duplicate"] += 1
+        name, _, make = next(kind for kind in _MIX if roll < kind[1])
+        made += make(builder, job_id, f"acct-{job % accounts}", f"worker-{job % workers}",
+                     clock)
+        mix[name] += 1
     builder.write(run_dir)
     return {"jobs": job, "deliveries": made, **{f"jobs_{k}": v for k, v in mix.items()}}
 

@@ -197,7 +197,7 @@ def test_builder_writes_what_the_log_format_writes(tmp_path: Path,
 
 
 # --------------------------------------------------------------------------------------------
-# Explained duplicates: one per fault kind that can cause a redelivery.
+# Excuses duplicates: one per fault kind that can cause a redelivery.
 # --------------------------------------------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from skiplock.reports import checker, columnar
 from skiplock.reports.checker import check_run
-from skiplock.reports.checker import load as checker_load
+from skiplock.reports.checker import read as checker_read
 from skiplock.reports.history import DELIVERIES_DIR, DELIVERY_LOG, ENQUEUES_FILE, WORKERS_DIR
 from skiplock.reports.synthetic import RunBuilder, history_files, write_log
 
@@ -70,8 +70,8 @@ def no_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr("pyarrow.csv.read_csv", refuse)
     monkeypatch.setattr("pyarrow.json.read_json", refuse)
-    monkeypatch.setattr(checker_load, "_parse_csv_slow", refuse)
-    monkeypatch.setattr(checker_load, "_parse_json_slow", refuse)
+    monkeypatch.setattr(checker_read, "_parse_csv_slow", refuse)
+    monkeypatch.setattr(checker_read, "_parse_json_slow", refuse)
 
 
 def test_second_check_reads_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,7 +124,7 @@ def test_appended_line_invalidates_the_cache(tmp_path: Path) -> None:
     after = check_run([run_dir])
     assert after.counts["delivered"] == before.counts["delivered"] + 1
     # The rewritten cache now stands for the longer file: a third check agrees.
-    entry = columnar.lookup(log, (checker_load._DELIVERIES.schema,))
+    entry = columnar.lookup(log, (checker_read._DELIVERIES.schema,))
     assert entry.table is not None
     assert entry.table.num_rows == after.counts["delivered"]
     assert judged(check_run([run_dir])) == judged(after)
@@ -134,7 +134,7 @@ def test_changed_schemas_or_version_miss(tmp_path: Path, monkeypatch: pytest.Mon
     run_dir = anomalous(tmp_path)
     check_run([run_dir])
     log = run_dir / DELIVERIES
-    schema = checker_load._DELIVERIES.schema
+    schema = checker_read._DELIVERIES.schema
     assert columnar.lookup(log, (schema,)).table is not None
     other = schema.append(pa.field("extra", pa.string()))
     assert columnar.lookup(log, (other,)).table is None

@@ -2,12 +2,13 @@
 
 A row says what the anomaly is counted in (`unit`), what it means in a line (the report and
 the README's table show it), whether it violates a guarantee, how it is found
-(`find(frame, explained) -> examples`, in its module), how an example is said, and which
+(`find(frame, excuses) -> examples`, in its module, which computes its own candidate rows
+from the frame and asks the fault explainer about them), how an example is said, and which
 logs a cut-off tail of which may have lost the records that decide it (a history with such a
 log cut short counts it but does not report it).
 
 To add an anomaly: write its module (`find` and `say`), add its row here, and a line to the
-README's anomaly table."""
+anomaly table in docs/reference/anomalies.md."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from skiplock.reports.checker.anomalies import (
     unexpected,
 )
 from skiplock.reports.checker.common import Example
-from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.excuses import Excuses
 from skiplock.reports.checker.frame import Frame
 from skiplock.reports.history import (
     DELIVERIES_DIR,
@@ -51,7 +52,7 @@ class Anomaly:
     kind: str
     unit: Unit
     meaning: str
-    module: ModuleType  # holds find(frame, explained) and say(example)
+    module: ModuleType  # holds find(frame, excuses) and say(example)
     violation: bool = True
     # The logs a cut-off tail of which may hide what decides it (or invent it, by losing
     # an enqueue, a delivery, or the event or fault that explains one).
@@ -61,7 +62,7 @@ class Anomaly:
     not_applicable: Callable[[Guarantees], str | None] = lambda _promised: None
 
     @property
-    def find(self) -> Callable[[Frame, Explained], Iterable[Example]]:
+    def find(self) -> Callable[[Frame, Excuses], Iterable[Example]]:
         return self.module.find  # type: ignore[no-any-return]
 
     @property

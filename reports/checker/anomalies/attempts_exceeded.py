@@ -17,11 +17,11 @@ import numpy as np
 import pandas as pd
 
 from skiplock.reports.checker.common import Example, attempt_number, fmt, shown
-from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.excuses import Excuses
 from skiplock.reports.checker.frame import PERMANENT, Frame
 
 
-def find(f: Frame, e: Explained) -> Iterator[Example]:
+def find(f: Frame, e: Excuses) -> Iterator[Example]:
     exceeded: dict[int, Example] = {}
     for j, x in _too_many_deliveries(f, e):
         exceeded[j] = x
@@ -33,7 +33,7 @@ def find(f: Frame, e: Explained) -> Iterator[Example]:
     yield from exceeded.values()
 
 
-def _too_many_deliveries(f: Frame, e: Explained) -> Iterator[tuple[int, Example]]:
+def _too_many_deliveries(f: Frame, e: Excuses) -> Iterator[tuple[int, Example]]:
     delivered = f.jobs.delivered
     for j in np.flatnonzero(delivered > f.h.job_max_attempts).tolist():
         extra = e.extra.get(j, 0)
@@ -44,16 +44,26 @@ def _too_many_deliveries(f: Frame, e: Explained) -> Iterator[tuple[int, Example]
                 "max_attempts": int(f.h.job_max_attempts[j])})
 
 
-def _after_permanent(f: Frame, e: Explained,
+def after_permanent(f: Frame) -> np.ndarray:
+    """Deliveries after one the worker saw fail permanently."""
+    rows = f.rows
+    permanent = (rows.seen == PERMANENT).astype(np.int64)
+    rank = pd.Series(permanent).groupby(rows.job, sort=False).cumsum().to_numpy()
+    return np.flatnonzero((rank - permanent) >= 1)
+
+
+def _after_permanent(f: Frame, e: Excuses,
                      exceeded: dict[int, Example]) -> Iterator[tuple[int, Example]]:
     rows = f.rows
     found: set[int] = set()
-    for i in rows.after_permanent.tolist():
+    after = after_permanent(f)
+    e.explainer.prefetch(rows.job[after].tolist())
+    for i in after.tolist():
         j = int(rows.job[i])
         if j in exceeded or j in found:
             continue
-        perm = [r for r in f.job_rows[j] if r < i and rows.seen[r] == PERMANENT][-1]
-        if e.explainer.explain(f.records[perm], float(rows.received[i])) is None:
+        perm = [r for r in f.rows_of(j) if r < i and rows.seen[r] == PERMANENT][-1]
+        if e.explainer.explain(f.record(perm), float(rows.received[i])) is None:
             found.add(j)
             yield j, Example(f.job_id(j), "after_permanent", {
                 "received": float(rows.received[i]),

@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from skiplock.reports.checker.common import Example, attempt_number, fmt, shown
-from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.excuses import Excuses
 from skiplock.reports.checker.frame import Frame
 
 
-def find(f: Frame, e: Explained) -> Iterator[Example]:
+def find(f: Frame, e: Excuses) -> Iterator[Example]:
     rows = f.rows
     for i, overlap in e.overlaps.items():
         r = overlap.unexcused

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from skiplock.reports.checker.common import Example, attempt_number, fmt, shown
-from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.excuses import Excuses
 from skiplock.reports.checker.frame import Frame
 
 
-def find(f: Frame, e: Explained) -> Iterator[Example]:
+def find(f: Frame, e: Excuses) -> Iterator[Example]:
     rows = f.rows
     for i, (earlier, why) in e.duplicates.items():
         if why is not None:
@@ -17,9 +17,9 @@ def find(f: Frame, e: Explained) -> Iterator[Example]:
         yield Example(f.job_id(int(rows.job[i])), "unexplained", {
             "received": float(rows.received[i]),
             "attempt": attempt_number(rows.attempt[i]),
-            "worker": f.records[i]["worker"],
+            "worker": f.record(i)["worker"],
             "succeeded_attempt": attempt_number(rows.attempt[earlier]),
-            "succeeded_worker": f.records[earlier]["worker"],
+            "succeeded_worker": f.record(earlier)["worker"],
             "succeeded_received": float(rows.received[earlier]),
         })
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from skiplock.reports.checker.common import Example, fmt
-from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.excuses import Excuses
 from skiplock.reports.checker.frame import Frame
+from skiplock.reports.checker.slots import account_slots
 
 
-def find(f: Frame, e: Explained) -> Iterator[Example]:
-    slots, rows = f.account_slots, f.rows
+def find(f: Frame, e: Excuses) -> Iterator[Example]:
+    slots, rows = f.derived(account_slots), f.rows
     for row, count in zip(slots.over.tolist(), slots.in_flight.tolist(), strict=True):
         yield Example(f.job_id(int(rows.job[row])), "over_limit", {
             "account": slots.account[row], "in_flight": int(count),

@@ -10,13 +10,24 @@ from collections.abc import Iterator
 import numpy as np
 
 from skiplock.reports.checker.common import Example
-from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.excuses import Excuses
 from skiplock.reports.checker.frame import Frame
 
 
-def find(f: Frame, e: Explained) -> Iterator[Example]:
+def candidates(f: Frame) -> np.ndarray:
+    """Acknowledged jobs never delivered with 2xx and not live, less those their oracle
+    dead-letters and the queue dead-lettered (a mask over jobs)."""
     jobs = f.jobs
-    for j in np.flatnonzero(jobs.lost_candidate).tolist():
+    mask: np.ndarray = ((f.h.job_ack == 1) & ~jobs.any_2xx & ~jobs.is_live
+                        & ~(jobs.is_failed & ~f.oracle.expected_completed))
+    return mask
+
+
+def find(f: Frame, e: Excuses) -> Iterator[Example]:
+    jobs = f.jobs
+    lost = np.flatnonzero(candidates(f))
+    e.explainer.prefetch(lost.tolist())
+    for j in lost.tolist():
         if jobs.is_missing[j]:
             if not e.absence_unjudged(j):
                 yield Example(f.job_id(j), "absent", {})

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from skiplock.reports.checker.common import Example, fmt
-from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.excuses import Excuses
 from skiplock.reports.checker.frame import Frame
-from skiplock.reports.checker.waits import Waits
+from skiplock.reports.checker.waits import Waits, waits
 from skiplock.reports.objectives import BY_KEY, METRICS
 
 ALL = "all accounts"
@@ -28,9 +28,9 @@ _PERCENTILE = {"first_delivery_p50": 50, "first_delivery_p99": 99, "oldest_due_a
 RATIO_JOBS = 20
 
 
-def find(f: Frame, e: Explained) -> Iterator[Example]:
+def find(f: Frame, e: Excuses) -> Iterator[Example]:
     objectives = f.cfg.objectives
-    w = f.waits
+    w = f.derived(waits)
     scopes: list[tuple[str, Mapping[str, float], bool]] = [(ALL, objectives.overall, False)]
     scopes += [(name, bounds, False) for name, bounds in objectives.accounts.items()]
     scopes += [(ALL, objectives.during_faults, True)]
@@ -64,10 +64,10 @@ def _latency(key: str, f: Frame, w: Waits, mask: np.ndarray
     idx = np.flatnonzero(mask)
     if not len(idx):
         return None
-    waits = w.wait[idx]
-    worst = int(idx[np.argmax(waits)])
+    waited = w.wait[idx]
+    worst = int(idx[np.argmax(waited)])
     # oldest_due_age is the longest wait: the 100th percentile.
-    value = float(np.percentile(waits, _PERCENTILE[key]))
+    value = float(np.percentile(waited, _PERCENTILE[key]))
     window = [float(w.due[idx].min()), float(w.due[idx].max())]
     return value, len(idx), window, f.job_id(int(w.job[worst]))
 

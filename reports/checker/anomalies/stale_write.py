@@ -8,19 +8,42 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
+import pandas as pd
 
 from skiplock.reports.checker.common import Example, attempt_number, fmt, records, shown
-from skiplock.reports.checker.explained import Explained
-from skiplock.reports.checker.frame import Frame, write_sent
+from skiplock.reports.checker.excuses import Excuses
+from skiplock.reports.checker.frame import Frame
 
 
-def find(f: Frame, e: Explained) -> Iterator[Example]:
-    candidates, claims = f.stale_candidates, f.claims
-    if not len(candidates):
+def candidates(f: Frame) -> pd.DataFrame:
+    """The applied writes for an attempt older than the job's latest claim (each is stale if
+    that claim came before the write was sent)."""
+    ev, claims = f.h.events, f.claims
+    applied = ev[(ev["job"] >= 0) & (ev["kind"] == "write") & (ev["result"] == "applied")]
+    max_claim = np.full(len(f.h.job_ids), -np.inf)
+    if len(claims):
+        per_job = claims.groupby("job")["attempt"].max()
+        max_claim[per_job.index.to_numpy()] = per_job.to_numpy()
+    older: pd.DataFrame = applied[applied["attempt"].to_numpy()
+                                  < max_claim[applied["job"].to_numpy()]]
+    return older
+
+
+def write_sent(f: Frame, writes: pd.DataFrame) -> np.ndarray:
+    """When each write event's statement went out: its `started`, or the time it was logged
+    (after the commit, maybe much later) where that is earlier or `started` is missing."""
+    started = f.h.event_data.numbers("started", writes.index.to_numpy())
+    logged = writes["time"].to_numpy()
+    return np.where(np.isnan(started), logged, np.minimum(started, logged))
+
+
+def find(f: Frame, e: Excuses) -> Iterator[Example]:
+    older, claims = candidates(f), f.claims
+    if not len(older):
         return
     cols = ["job", "attempt", "time", "worker"]
-    writes = candidates[cols].reset_index(drop=True)
-    writes["sent"] = write_sent(f.h, candidates)
+    writes = older[cols].reset_index(drop=True)
+    writes["sent"] = write_sent(f, older)
     writes["write"] = np.arange(len(writes))
     matched = writes.merge(claims[claims["job"].isin(writes["job"])][cols], on="job",
                            suffixes=("", "_claim"))

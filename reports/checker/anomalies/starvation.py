@@ -19,9 +19,9 @@ from collections.abc import Iterator
 import numpy as np
 
 from skiplock.reports.checker.common import Example, fmt
-from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.excuses import Excuses
 from skiplock.reports.checker.frame import Frame
-from skiplock.reports.checker.waits import Held, covered_seconds, slots_held
+from skiplock.reports.checker.waits import Held, covered_seconds, slots_held, waits
 
 # Overtaking claims of one starved job searched at most (its example names the first).
 _SEARCH = 100_000
@@ -31,8 +31,8 @@ _SEARCH = 100_000
 FREE_FOR = 1.0
 
 
-def find(f: Frame, e: Explained) -> Iterator[Example]:
-    w = f.waits
+def find(f: Frame, e: Excuses) -> Iterator[Example]:
+    w = f.derived(waits)
     bound = f.cfg.objectives.starvation_bound(f.cfg.lease_seconds)
     tol = f.tolerance
     # A job is served from when the claim that took it was sent (a slow claim took its rows

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import numpy as np
 
 from skiplock.reports.checker.common import Example
-from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.excuses import Excuses
 from skiplock.reports.checker.frame import Frame
 
 
-def find(f: Frame, e: Explained) -> Iterator[Example]:
+def find(f: Frame, e: Excuses) -> Iterator[Example]:
     if not f.cfg.drained:
         return
     jobs = f.jobs

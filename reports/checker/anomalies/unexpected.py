@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from skiplock.reports.checker.common import Example, fmt, records
-from skiplock.reports.checker.explained import Explained
+from skiplock.reports.checker.excuses import Excuses
 from skiplock.reports.checker.frame import Frame
 
 
-def find(f: Frame, e: Explained) -> Iterator[Example]:
+def find(f: Frame, e: Excuses) -> Iterator[Example]:
     for rec in records(f.rows.unexpected):
         evidence = {"received": rec["received"], "target": rec["target"]}
         if not rec["job_id"]:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from skiplock.reports.checker.common import attempt_label, floats, fmt, records
+from skiplock.reports.checker.common import attempt_label, fmt, records
 from skiplock.reports.checker.faults import (
     DATABASE_FAULTS,
     TARGET_FAULTS,
@@ -23,7 +24,8 @@ from skiplock.reports.checker.faults import (
     fault_end,
     fault_span,
 )
-from skiplock.reports.checker.load import History, data_dict
+from skiplock.reports.checker.join import History
+from skiplock.reports.checker.read import data_dict
 
 # How long after it was due a retry's claim may come (a poll, a busy worker), for the window
 # in which a kill may have hidden it (Explainer._unlogged_claim).
@@ -63,35 +65,60 @@ class Explainer:
     tolerance. Once an attempt's success is applied, nothing explains running it again but
     a restart of a server that is not durable (a committed write may be lost)."""
 
-    def __init__(self, history: History, jobs: np.ndarray, tolerance: float) -> None:
+    def __init__(self, history: History, tolerance: float) -> None:
         self.cfg = history.config
         self.tol = tolerance
         self.durable = history.config.durable is not False
         self.faults = [f for f in history.faults if not f.get("skipped")]
         ev = history.events
-        subset = ev[ev["job"].isin(jobs)] if len(jobs) else ev.iloc[:0]
-        # Keyed by the attempt as read: a whole number, or a re-pick's key a fraction above
-        # it (load.key_picks_by_lease).
-        self.by_attempt: dict[tuple[int, float], list[dict[str, Any]]] = defaultdict(list)
-        self.attempts_of: dict[int, set[float]] = defaultdict(set)
-        data = history.event_data
-        for rec, value in zip(records(subset), data.pick(subset.index.to_numpy()), strict=True):
-            if not math.isnan(rec["attempt"]):
-                key = (int(rec["job"]), float(rec["attempt"]))
-                self.by_attempt[key].append(_with_data(rec, value))
-                self.attempts_of[key[0]].add(key[1])
+        self._history = history
+        # The events of each job, found on demand: the events sorted by job (stably, so a
+        # job's stay in log order), and where each job's stretch starts.
+        job = ev["job"].to_numpy()
+        self._order = np.argsort(job, kind="stable")
+        self._sorted_jobs = job[self._order]
+        self._of_job: dict[int, dict[float, list[dict[str, Any]]]] = {}
         # Worker-wide deaths: a failpoint or an error stop ends every lease the worker held.
         self.deaths: dict[str, list[dict[str, Any]]] = defaultdict(list)
         ends = ev[ev["kind"].isin(["failpoint", "stop"])]
+        data = history.event_data
         for rec, value in zip(records(ends), data.pick(ends.index.to_numpy()), strict=True):
             rec = _with_data(rec, value)
             if rec["kind"] == "failpoint" or str(rec["reason"]).startswith("error"):
                 self.deaths[str(rec["worker"])].append(rec)
 
+    def prefetch(self, jobs: Iterable[int]) -> None:
+        """Read the recorded events of `jobs` in one pass: a caller about to ask about many
+        jobs says which first (one job at a time, each lookup would cost a pass over the
+        events' nested data)."""
+        wanted = np.array(sorted({int(j) for j in jobs} - self._of_job.keys()), dtype=np.int64)
+        if not len(wanted):
+            return
+        lo = np.searchsorted(self._sorted_jobs, wanted, "left")
+        hi = np.searchsorted(self._sorted_jobs, wanted, "right")
+        idx = np.sort(np.concatenate([self._order[a:b] for a, b in
+                                      zip(lo.tolist(), hi.tolist(), strict=True)]))
+        found: dict[int, dict[float, list[dict[str, Any]]]] = {int(j): {} for j in wanted}
+        ev = self._history.events.iloc[idx]
+        data = self._history.event_data.pick(ev.index.to_numpy())
+        for rec, value in zip(records(ev), data, strict=True):
+            if not math.isnan(rec["attempt"]):
+                found[int(rec["job"])].setdefault(float(rec["attempt"]), []).append(
+                    _with_data(rec, value))
+        self._of_job.update(found)
+
+    def attempts(self, job: int) -> dict[float, list[dict[str, Any]]]:
+        """The job's recorded events by attempt, keyed by the attempt as read: a whole
+        number, or a re-pick's key a fraction above it (load.key_picks_by_lease), each list
+        in log order."""
+        if job not in self._of_job:
+            self.prefetch((job,))
+        return self._of_job[job]
+
     def _events(self, job: int, attempt: float) -> list[dict[str, Any]]:
         if math.isnan(attempt):
             return []
-        return self.by_attempt.get((job, float(attempt)), [])
+        return self.attempts(job).get(float(attempt), [])
 
     def worker_of(self, job: int, attempt: float, header: Any) -> str | None:
         if isinstance(header, str) and header:
@@ -260,9 +287,9 @@ class Explainer:
             return None
         reached = set(delivered.astype(np.int64).tolist())
         unreached = sorted(
-            a for a in self.attempts_of.get(job, ()) if a not in reached and any(
+            a for a, events in self.attempts(job).items() if a not in reached and any(
                 r["kind"] == "http" and r["result"] in ("timeout", "connection_error")
-                for r in self.by_attempt[(job, a)]))
+                for r in events))
         if unreached and reached.union(unreached) == set(range(1, max_attempts + 1)):
             return [int(a) for a in unreached]
         return None
@@ -273,7 +300,7 @@ class Explainer:
         deliveries the oracle counts, never one a fault took away."""
         if math.isnan(attempt):
             return False
-        events = self.by_attempt.get((job, float(attempt)), ())
+        events = self._events(job, attempt)
         return (sum(r["kind"] == "claim" for r in events) == 1
                 and any(r["kind"] == "http" and r["result"] in ("ok", "http_error")
                         for r in events)
@@ -283,8 +310,9 @@ class Explainer:
         """A recorded fault that hit one of this job's attempts without a delivery to show
         for it (a crash after claim, a kill before the call), inside that attempt's lease
         and before its result was applied."""
-        for attempt in sorted(self.attempts_of.get(job, ())):
-            events = self.by_attempt[(job, attempt)]
+        of_job = self.attempts(job)
+        for attempt in sorted(of_job):
+            events = of_job[attempt]
             for rec in events:
                 if rec["kind"] == "failpoint":
                     return f"failpoint {rec['name']} fired for attempt {attempt_label(attempt)}"
@@ -360,14 +388,15 @@ class Explainer:
         so a claim it never logged was never received, and gave its attempt back."""
         if self.cfg.guarantees.attempts_count == "received":
             return None
-        seen = self.attempts_of.get(job, set())
+        of_job = self.attempts(job)
+        seen = set(of_job)
         if not seen:
             return None
         first_claim: dict[float, float] = {}
         last_event: dict[float, float] = {}
         for number in seen:
-            times = [float(r["time"]) for r in self.by_attempt[(job, number)]]
-            claims = [float(r["time"]) for r in self.by_attempt[(job, number)]
+            times = [float(r["time"]) for r in of_job[number]]
+            claims = [float(r["time"]) for r in of_job[number]
                       if r["kind"] == "claim"]
             first_claim[number] = min(claims or times)
             last_event[number] = max(times)
@@ -403,7 +432,7 @@ def http_ends(h: History, job: np.ndarray, attempt: np.ndarray) -> np.ndarray:
     table = pd.DataFrame({
         "job": http["job"].to_numpy(),
         "attempt": http["attempt"].to_numpy(),
-        "end": floats(h.event_data.field("end", http.index.to_numpy())),
+        "end": h.event_data.numbers("end", http.index.to_numpy()),
     }).dropna().groupby(["job", "attempt"], sort=False)["end"].min().reset_index()
     want = pd.DataFrame({"job": job, "attempt": attempt, "row": np.arange(len(job))})
     merged = want.merge(table, on=["job", "attempt"], how="inner")

@@ -14,14 +14,13 @@ the frame, before any anomaly is decided, and passed to each of them.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 
-from skiplock.reports.checker.explain import Explainer, Why
+from skiplock.reports.checker.faults_over_attempts import Explainer, Why
 from skiplock.reports.checker.frame import Frame
 
 
@@ -35,10 +34,10 @@ class Overlap:
     fault: Why | None
 
 
-class Explained:
+class Excuses:
     def __init__(self, frame: Frame) -> None:
         self.frame = frame
-        self.explainer = Explainer(frame.h, frame.candidates, frame.tolerance)
+        self.explainer = Explainer(frame.h, frame.tolerance)
         self.extra_rows: set[int] = set()  # redeliveries a recorded fault explains
         self.extra: dict[int, int] = defaultdict(int)  # job -> how many of them
         self.fault_reason: dict[int, str] = {}  # job -> the first fault that explained one
@@ -57,15 +56,12 @@ class Explained:
     def _duplicates(self) -> dict[int, tuple[int, Why | None]]:
         """Each repeated 2xx -> (the success before it, what explains running it again)."""
         f, rows = self.frame, self.frame.rows
-        success_rows_by_job: dict[int, list[int]] = defaultdict(list)
-        for i in sorted(f.records):
-            if rows.success_2xx[i]:
-                success_rows_by_job[int(rows.job[i])].append(i)
         out: dict[int, tuple[int, Why | None]] = {}
+        self.explainer.prefetch(rows.job[rows.duplicates].tolist())
         for i in rows.duplicates.tolist():
             j = int(rows.job[i])
-            earlier = [r for r in success_rows_by_job[j] if r < i][-1]
-            why = self.explainer.explain(f.records[earlier], float(rows.received[i]))
+            earlier = [r for r in f.rows_of(j) if r < i and rows.success_2xx[r]][-1]
+            why = self.explainer.explain(f.record(earlier), float(rows.received[i]))
             if why is not None and why.fault:
                 self._allow(j, int(i), why)
             out[int(i)] = (earlier, why)
@@ -74,14 +70,15 @@ class Explained:
     def _overlaps(self) -> dict[int, Overlap]:
         f, rows, tol = self.frame, self.frame.rows, self.frame.tolerance
         out: dict[int, Overlap] = {}
+        self.explainer.prefetch(rows.job[rows.overlapping].tolist())
         for i in rows.overlapping.tolist():
             j = int(rows.job[i])
-            overlapping = [r for r in f.job_rows[j]
+            overlapping = [r for r in f.rows_of(j)
                            if r < i and rows.target_end[r] > rows.received[i]]
             faults: list[Why] = []
             unexcused: int | None = None
             for r in overlapping:
-                fault = self.explainer.explain(f.records[r], float(rows.received[i]),
+                fault = self.explainer.explain(f.record(r), float(rows.received[i]),
                                                timeouts=False)
                 if fault is not None:
                     faults.append(fault)
@@ -106,15 +103,15 @@ class Explained:
         f, rows = self.frame, self.frame.rows
         if f.cfg.guarantees.attempts_count != "finished":
             return
-        for j, job_rows in f.job_rows.items():
-            for earlier, r in itertools.pairwise(job_rows):
-                number = math.floor(rows.attempt[r])
-                if rows.attempt[r] == number or math.floor(rows.attempt[earlier]) != number:
-                    continue
-                why = self.explainer.explain(f.records[earlier], float(rows.received[r]),
-                                             timeouts=False)
-                if why is not None:
-                    self._allow(j, r, why)
+        number = np.floor(rows.attempt)
+        repick = ~rows.first_of_job & (rows.attempt != number)
+        repick[1:] &= number[:-1] == number[1:]
+        self.explainer.prefetch(rows.job[repick].tolist())
+        for r in np.flatnonzero(repick).tolist():
+            why = self.explainer.explain(f.record(r - 1), float(rows.received[r]),
+                                         timeouts=False)
+            if why is not None:
+                self._allow(int(rows.job[r]), r, why)
 
     def _abandoned(self, j: int, r: int, at: float) -> bool:
         """Whether delivery `r` was abandoned at its HTTP timeout by `at`."""
@@ -127,7 +124,7 @@ class Explained:
         """Whether a fault explains delivery `r` coming after the one before it."""
         f = self.frame
         return r in self.extra_rows or self.explainer.explain(
-            f.records[r - 1], float(f.rows.received[r]), timeouts=False) is not None
+            f.record(r - 1), float(f.rows.received[r]), timeouts=False) is not None
 
     def consumed(self, j: int) -> str | None:
         """A recorded fault that used up one of the job's attempts (an HTTP timeout does
@@ -144,11 +141,11 @@ class Explained:
 
     def _fault_on_a_delivery(self, j: int) -> str | None:
         f, rows = self.frame, self.frame.rows
-        for r in f.job_rows[j]:
-            if self.explainer.ran_normally(j, float(f.records[r]["attempt"])):
+        for r in f.rows_of(j):
+            if self.explainer.ran_normally(j, float(f.record(r)["attempt"])):
                 continue
             nxt_time = rows.next_received[r] if rows.same_next[r] else math.inf
-            why = self.explainer.explain(f.records[r], float(nxt_time), timeouts=False)
+            why = self.explainer.explain(f.record(r), float(nxt_time), timeouts=False)
             if why is not None:
                 return why.text
         return None
@@ -161,10 +158,11 @@ class Explained:
         out: dict[int, list[int]] = {}
         asked = np.flatnonzero(jobs.failed_vs_oracle).tolist() + [
             j for j in np.flatnonzero(jobs.failed_early).tolist() if not jobs.failed_vs_oracle[j]]
+        self.explainer.prefetch(asked)
         for j in asked:
             if self.consumed(j) is not None:
                 continue
-            attempts = self.explainer.unreached(j, f.rows.attempt[f.job_rows.get(j, [])],
+            attempts = self.explainer.unreached(j, f.rows.attempt[f.rows_of(j)],
                                                 int(f.h.job_max_attempts[j]))
             if attempts is not None:
                 out[j] = attempts

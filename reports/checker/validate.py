@@ -1,0 +1,140 @@
+"""Validating what was read: the parts of one kind of log as one table (`Table`), whose
+number columns are refused when they hold anything but finite numbers (or negative times),
+and whose required text columns are refused when empty; each bad value is named by file and
+line."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow.compute as pc  # type: ignore[import-untyped]
+
+from skiplock.reports.checker.common import floats
+from skiplock.reports.checker.read import Nested, Part, data_dict
+from skiplock.reports.history import (
+    HistoryError,
+)
+
+
+@dataclass
+class Table:
+    """Columns read from one or more files of one kind, with where each row came from."""
+
+    columns: dict[str, np.ndarray]
+    job_id: pa.ChunkedArray
+    nested: dict[str, Nested]
+    typed: bool  # every file went through Arrow
+    source: list[str]  # file per file appended
+    rows_per_file: list[int]
+    header_lines: list[int]  # per file: lines before the first record
+    lines: list[list[int] | None]  # per file: line of each row (None: rows are lines)
+
+    def where(self, row: int) -> str:
+        """"file:line" of a row."""
+        offset = row
+        for name, count, header, lines in zip(self.source, self.rows_per_file,
+                                              self.header_lines, self.lines, strict=True):
+            if offset < count:
+                return f"{name}:{header + 1 + offset if lines is None else lines[offset]}"
+            offset -= count
+        return "?"
+
+    def number(self, key: str, what: str, *, required: bool, time: bool = False) -> np.ndarray:
+        """A float64 column, NaN for null; a value that is not a number is bad input, and so
+        is an infinite one (no writer writes one) and, for a `time` (seconds since the
+        epoch), a negative one."""
+        values = self.columns[key]
+        array: np.ndarray
+        if values.dtype == np.float64:
+            array = values
+        else:
+            ok_types = [v is None or (isinstance(v, int | float) and not isinstance(v, bool))
+                        for v in values.tolist()]
+            if not all(ok_types):
+                row = ok_types.index(False)
+                raise HistoryError(f"{self.where(row)}: {what} field {key} is not a number")
+            array = values.astype(np.float64)
+        if required and np.isnan(array).any():
+            row = int(np.flatnonzero(np.isnan(array))[0])
+            raise HistoryError(f"{self.where(row)}: {what} field {key} is not a number")
+        refuse_out_of_range(array, lambda row: f"{self.where(row)}: {what} field {key}",
+                             time=time)
+        return array
+
+    def require_str(self, key: str, what: str) -> None:
+        if key == "job_id":
+            # Anything but a string was read as null.
+            missing = pc.or_kleene(pc.is_null(self.job_id), pc.equal(self.job_id, ""))
+            bad = np.flatnonzero(missing.to_numpy(zero_copy_only=False))
+        elif self.typed:
+            values = self.columns[key]
+            bad = np.flatnonzero(pd.isna(values) | (values == ""))
+        else:
+            bad = np.array([i for i, v in enumerate(self.columns[key].tolist())
+                            if type(v) is not str or not v], dtype=np.int64)
+        if len(bad):
+            raise HistoryError(f"{self.where(int(bad[0]))}: {what} has no {key}")
+
+
+def refuse_out_of_range(array: np.ndarray, where: Callable[[int], str], *,
+                        time: bool) -> None:
+    """A HistoryError for the first infinite value of `array` (NaN is null), or for a `time`
+    the first negative one: no writer writes either, and judging with them would make up
+    anomalies."""
+    bad = np.isinf(array)
+    if time:
+        bad |= array < 0
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        want = "a time (seconds since the epoch, not negative)" if time else "a finite number"
+        raise HistoryError(f"{where(row)} is {float(array[row])!r}, not {want}")
+
+
+def refuse_bad_times(table: Table, nested: Nested, names: Sequence[str], what: str) -> None:
+    """`refuse_out_of_range` for the times held in a nested column (a worker event's own
+    fields): the judge reads them only for the few events that explain something, but a bad
+    one must not be judged at all."""
+    # `starts` has one entry even without parts.
+    for part, start in zip(nested.parts, nested.starts.tolist(), strict=False):
+        for name in names:
+            if isinstance(part, list):
+                values = floats(np.array([data_dict(v).get(name) for v in part], dtype=object))
+            elif part.type.get_field_index(name) >= 0:
+                values = pc.struct_field(part, name).to_numpy(zero_copy_only=False)
+            else:
+                continue
+
+            def where(row: int, at: int = start, field: str = name) -> str:
+                return f"{table.where(at + row)}: {what} field {field}"
+
+            refuse_out_of_range(np.asarray(values, dtype=np.float64), where, time=True)
+
+
+def table_of(parts: Sequence[Part], schema: pa.Schema) -> Table:
+    """The parts of one kind of file, as one table."""
+    columns: dict[str, np.ndarray] = {}
+    for f in schema:
+        if pa.types.is_struct(f.type) or f.name == "job_id":
+            continue
+        got = [p.columns[f.name] for p in parts]
+        if not got:
+            columns[f.name] = np.empty(0, dtype=object)
+        elif len(got) == 1:
+            columns[f.name] = got[0]
+        elif all(a.dtype == np.float64 for a in got):
+            columns[f.name] = np.concatenate(got)
+        else:
+            columns[f.name] = np.concatenate([a.astype(object) for a in got])
+    counts = [p.rows for p in parts]
+    starts = np.cumsum([0, *counts[:-1]], dtype=np.int64)
+    nested = {f.name: Nested([p.nested[f.name] for p in parts], starts)
+              for f in schema if pa.types.is_struct(f.type)}
+    job_id = pa.chunked_array([c for p in parts for c in p.job_id.chunks], pa.string())
+    return Table(columns=columns, job_id=job_id, nested=nested,
+                  typed=all(p.typed for p in parts),
+                  source=[str(p.path) for p in parts], rows_per_file=counts,
+                  header_lines=[p.header_lines for p in parts], lines=[p.lines for p in parts])
