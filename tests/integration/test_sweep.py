@@ -35,7 +35,11 @@ def test_a_two_step_sweep_writes_its_result_and_plot(
         assert 0 < step["lease_hold_seconds"] < 5
         assert {"account slots (17 in all)", "workers' slots (2 x 10)"} <= set(
             step["capacities"])
-        assert step["producers"] == 1 and step["enqueue_batch"] == 1
+        # Producers and target sized to a light rate: one process each.
+        assert step["producers"] == 1 and not step["distributed"]
+        assert step["target_processes"] == 1
+        # Every producer process said what its enqueues cost it.
+        assert 0 < step["producer_cpu_ms_per_job"] < 100
     assert doc["knee_rate"] == 40 and doc["knee_above_rates"] is True
     assert (folder / "sweep.png").stat().st_size > 10_000
     assert "above 40 jobs/s" in capsys.readouterr().out
