@@ -247,6 +247,12 @@ class _Stepper:
                 return step
             raised = raise_producers(sizes, self.cores)
             if raised is None:
+                if waited_on_enqueue(step):
+                    enqueue_bound(step)
+                    _say(f"  the producers offered {step['offered_per_second']:g} of {rate:g}"
+                         f" jobs/s with {_shown(sizes)}, waiting on the queue: "
+                         + enqueue_sentence(step))
+                    return step
                 _say(f"  the producers offered {step['offered_per_second']:g} of "
                      f"{rate:g} jobs/s with {_shown(sizes)}: the harness is the limit here,"
                      " not the queue; stopping")
@@ -335,6 +341,7 @@ def measure_step(run_dir: Path, *, objective: float) -> dict[str, Any]:
     seconds = end - start
     enq = pd.read_csv(run_dir / ENQUEUES_FILE, usecols=["type", "job_id", "time"],
                       dtype={"job_id": str, "type": str})
+    enqueue_p50 = enqueue_seconds(enq)
     acked = enq[enq["type"] == "ok"].groupby("job_id")["time"].min()
     in_load = acked[(acked >= start) & (acked < end)]
     first = read_deliveries(run_dir, timeout).first_timely
@@ -353,8 +360,8 @@ def measure_step(run_dir: Path, *, objective: float) -> dict[str, Any]:
              and growth <= max(10.0, BACKLOG_GROWTH_SECONDS * offered))
     requested = float(spec_json["scenario"]["rate"])
     hold = mean_lease_hold(run_dir, start, end)
-    return {"requested_per_second": requested,
-            "producer_cpu_ms_per_job": producer_cpu_per_job(run_dir),
+    return {"requested_per_second": requested, **producer_cpu(run_dir),
+            "enqueue_p50_seconds": enqueue_p50,
             "lease_hold_seconds": None if hold is None else round(hold, 4),
             "capacities": capacities(spec_json["scenario"], hold),
             # The producers could not offer the rate asked for: the harness, not the queue,
@@ -368,16 +375,58 @@ def measure_step(run_dir: Path, *, objective: float) -> dict[str, Any]:
             "meets_objective": bool(meets)}
 
 
-def producer_cpu_per_job(run_dir: Path) -> float | None:
-    """Milliseconds of the producers' CPU per acknowledged enqueue over the load (every
-    producer process's own report, a Locust master's included); None without reports."""
-    cpu, jobs = 0.0, 0
+def producer_cpu(run_dir: Path) -> dict[str, float | None]:
+    """From every producer process's own report (a Locust master's included): milliseconds
+    of the producers' CPU per acknowledged enqueue over the load, and the busiest process's
+    share of one core; None without reports."""
+    cpu, jobs, busiest = 0.0, 0, None
     for path in (run_dir / LOCUST_DIR).glob(f"*{PRODUCER_CPU_SUFFIX}"):
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
             report = json.loads(path.read_text())
             cpu += float(report["cpu_seconds"])
             jobs += int(report["acknowledged"])
-    return round(1000 * cpu / jobs, 4) if jobs else None
+            busy = float(report["cpu_seconds"]) / float(report["seconds"])
+            busiest = busy if busiest is None else max(busiest, busy)
+    return {"producer_cpu_ms_per_job": round(1000 * cpu / jobs, 4) if jobs else None,
+            "producer_busiest_core_share": None if busiest is None else round(busiest, 3)}
+
+
+def enqueue_seconds(enq: pd.DataFrame) -> float | None:
+    """p50 of the time from a job's invoke to its ok: how long its enqueue transaction
+    took (the producers wait on that, not on their own CPU, when the queue is slow to take
+    jobs)."""
+    invoked = enq[enq["type"] == "invoke"].groupby("job_id")["time"].min()
+    acked = enq[enq["type"] == "ok"].groupby("job_id")["time"].min()
+    took = (acked - invoked.reindex(acked.index)).dropna()
+    return round(float(took.quantile(0.5)), 4) if len(took) else None
+
+
+# A producer process busier than this share of a core was limited by its own CPU.
+PRODUCER_BUSY_SHARE = 0.5
+
+
+def waited_on_enqueue(step: dict[str, Any]) -> bool:
+    """The producers fell short while every process had CPU to spare: they were waiting on
+    the queue's enqueue transactions, and more producers would wait the same."""
+    busiest = step.get("producer_busiest_core_share")
+    return (bool(step.get("producers_short")) and busiest is not None
+            and busiest < PRODUCER_BUSY_SHARE and step.get("enqueue_p50_seconds") is not None)
+
+
+def enqueue_bound(step: dict[str, Any]) -> None:
+    """Judge a step whose producers waited on the queue as the queue's: it did not take the
+    rate asked, so it misses the objective (the knee lies below), and the harness is not
+    blamed."""
+    step["producers_short"] = False
+    step["enqueue_bound"] = True
+    step["meets_objective"] = False
+
+
+def enqueue_sentence(step: dict[str, Any]) -> str:
+    return (f"its enqueue took p50 {step['enqueue_p50_seconds'] * 1000:.0f} ms a transaction"
+            f" of {step.get('enqueue_batch', '?')} jobs while the busiest producer process used"
+            f" {step['producer_busiest_core_share']:.0%} of a core: the queue's enqueue is the"
+            " limit, not the harness")
 
 
 def mean_lease_hold(run_dir: Path, start: float, end: float) -> float | None:
@@ -484,6 +533,9 @@ def bottleneck(steps: Sequence[dict[str, Any]], knee: float | None) -> str:
                 f"{short['offered_per_second']:g}/s: the harness, not the queue")
     judged = sorted(_judged(steps), key=lambda s: s["rate"])
     past = next((s for s in judged if not s["meets_objective"]), judged[-1])
+    if past.get("enqueue_bound"):
+        return (f"at {past['rate']:g} jobs/s the queue took only "
+                f"{past['offered_per_second']:g} jobs/s: " + enqueue_sentence(past))
     bound = _slot_bound(past)
     if bound is not None:
         return f"at {past['rate']:g} jobs/s: {bound}"

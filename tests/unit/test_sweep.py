@@ -14,11 +14,13 @@ from skiplock.scenarios.cli.sweep import (
     ProducerSizes,
     bottleneck,
     bracket,
+    enqueue_bound,
     capacities,
     knee_of,
     parse_rates,
     raise_producers,
     size_producers,
+    waited_on_enqueue,
 )
 
 
@@ -110,3 +112,20 @@ def test_the_ladder_raises_users_then_processes_then_the_batch_and_ends() -> Non
     assert [s.enqueue_batch for s in seen[4:]] == [60, 120, 240, MAX_ENQUEUE_BATCH]
     # Never more connections than the cap, however far it climbs.
     assert all(s.producers * s.users <= MAX_USERS for s in seen)
+
+
+def test_producers_that_waited_on_the_queue_make_the_step_the_queues() -> None:
+    waiting = _step(3000, False, producers_short=True, offered_per_second=1800.0,
+                    enqueue_p50_seconds=0.81, producer_busiest_core_share=0.08,
+                    enqueue_batch=100)
+    busy = {**waiting, "producer_busiest_core_share": 0.97}
+    assert waited_on_enqueue(waiting) and not waited_on_enqueue(busy)
+    # Producers short of CPU: the harness is the limit, and no knee is claimed.
+    assert "the harness" in bottleneck([_step(1000, True), busy], None)
+    # Producers with CPU to spare, waiting on commits: the queue did not take the rate.
+    enqueue_bound(waiting)
+    steps = [_step(1000, True), waiting]
+    assert knee_of(steps) == 1000 and bracket(steps) == (1000, 3000)
+    said = bottleneck(steps, 1000)
+    assert "took only 1800 jobs/s" in said and "p50 810 ms" in said
+    assert "the queue's enqueue is the limit" in said
