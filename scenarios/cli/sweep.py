@@ -201,13 +201,17 @@ def size_producers(rate: float, base: ProducerSizes, cores: int) -> ProducerSize
     return ProducerSizes(producers=processes, users=users, enqueue_batch=batch)
 
 
-def raise_producers(sizes: ProducerSizes, cores: int) -> ProducerSizes | None:
+def raise_producers(sizes: ProducerSizes, cores: int, *,
+                    users_only: bool = False) -> ProducerSizes | None:
     """One rung up the ladder after a step whose producers fell short: twice the users
     (up to MAX_USERS in all), then twice the processes (up to one per core: more only queue
-    for the same CPUs), then twice the batch; None at the top."""
+    for the same CPUs), then twice the batch; None at the top (with `users_only`, once the
+    users are at their cap)."""
     cap = MAX_USERS // sizes.producers
     if sizes.users < cap:
         return dataclasses.replace(sizes, users=min(cap, 2 * sizes.users))
+    if users_only:
+        return None
     if sizes.producers < cores:
         producers = min(cores, 2 * sizes.producers)
         return dataclasses.replace(sizes, producers=producers,
@@ -245,7 +249,9 @@ class _Stepper:
             step = self._run(rate, sizes)
             if not step["producers_short"]:
                 return step
-            raised = raise_producers(sizes, self.cores)
+            # Producers waiting on the queue's commits gain from more of them in flight,
+            # never from more processes (idle already) or bigger transactions (slower yet).
+            raised = raise_producers(sizes, self.cores, users_only=waited_on_enqueue(step))
             if raised is None:
                 if waited_on_enqueue(step):
                     enqueue_bound(step)

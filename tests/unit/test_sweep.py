@@ -14,8 +14,8 @@ from skiplock.scenarios.cli.sweep import (
     ProducerSizes,
     bottleneck,
     bracket,
-    enqueue_bound,
     capacities,
+    enqueue_bound,
     knee_of,
     parse_rates,
     raise_producers,
@@ -112,6 +112,11 @@ def test_the_ladder_raises_users_then_processes_then_the_batch_and_ends() -> Non
     assert [s.enqueue_batch for s in seen[4:]] == [60, 120, 240, MAX_ENQUEUE_BATCH]
     # Never more connections than the cap, however far it climbs.
     assert all(s.producers * s.users <= MAX_USERS for s in seen)
+    # Producers waiting on the queue's commits only get more users in flight.
+    waiting = ProducerSizes(producers=2, users=8, enqueue_batch=100)
+    assert raise_producers(waiting, cores=2, users_only=True) == ProducerSizes(
+        producers=2, users=16, enqueue_batch=100)
+    assert raise_producers(seen[3], cores=2, users_only=True) is None
 
 
 def test_producers_that_waited_on_the_queue_make_the_step_the_queues() -> None:
