@@ -162,12 +162,17 @@ MAX_BISECT = 8
 
 # Sizing the producers to the rate asked (`size_producers`): enqueue transactions per second
 # over all producers at most (the batch grows with the rate instead: on a busy machine a
-# durable commit can take hundreds of milliseconds, and fewer, bigger ones keep up), each
-# user's share of them (a user waits for its commit), the jobs/s one producer process is
-# given, the largest batch, and the most users in all (each holds a connection of its own;
-# PostgreSQL's default max_connections is 100, shared with the workers).
+# durable commit can take hundreds of milliseconds, and fewer, bigger ones keep up); the
+# seconds a transaction of B jobs is allowed (about twice what one took here at 3,000
+# jobs/s: p50 0.21 s for 100 jobs), and users for twice the transactions in flight that
+# allows (a Locust user paced at a constant rate never catches up after a slow one); the
+# jobs/s one producer process is given, the largest batch, and the most users in all (each
+# holds a connection of its own; PostgreSQL's default max_connections is 100, shared with
+# the workers).
 TRANSACTIONS_PER_SECOND = 30.0
-TRANSACTIONS_PER_USER = 2.0
+TRANSACTION_SECONDS = 0.1  # plus TRANSACTION_SECONDS_PER_JOB for each job in it
+TRANSACTION_SECONDS_PER_JOB = 0.005
+USERS_MARGIN = 2.0
 RATE_PER_PRODUCER = 2000.0
 MAX_ENQUEUE_BATCH = 400
 MAX_USERS = 48
@@ -189,14 +194,15 @@ class ProducerSizes:
 
 def size_producers(rate: float, base: ProducerSizes, cores: int) -> ProducerSizes:
     """Producers that offer `rate` with room to spare: transactions of
-    rate / TRANSACTIONS_PER_SECOND jobs (so commits stay few), enough users that each runs
-    at most TRANSACTIONS_PER_USER of them a second (each waits for its commit), and one
-    process per RATE_PER_PRODUCER jobs/s, at most one per core. Never below the scenario's
-    own settings."""
+    rate / TRANSACTIONS_PER_SECOND jobs (so commits stay few), USERS_MARGIN times the users
+    that many transactions in flight need if each takes its allowed time, and one process
+    per RATE_PER_PRODUCER jobs/s, at most one per core. Never below the scenario's own
+    settings."""
     batch = min(MAX_ENQUEUE_BATCH, max(base.enqueue_batch,
                                        math.ceil(rate / TRANSACTIONS_PER_SECOND)))
     processes = max(base.producers, min(max(cores, 1), math.ceil(rate / RATE_PER_PRODUCER)))
-    users_in_all = math.ceil(rate / batch / TRANSACTIONS_PER_USER)
+    allowed = TRANSACTION_SECONDS + TRANSACTION_SECONDS_PER_JOB * batch
+    users_in_all = math.ceil(USERS_MARGIN * rate / batch * allowed)
     users = max(base.users, min(MAX_USERS // processes, math.ceil(users_in_all / processes)))
     return ProducerSizes(producers=processes, users=users, enqueue_batch=batch)
 
