@@ -38,7 +38,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, assert_never
@@ -924,6 +925,88 @@ class TargetProcess:
         except BaseException:
             self.kill()
             raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ----------------------------------------------------------------------------------------------
+# Several target processes behind one run.
+# ----------------------------------------------------------------------------------------------
+
+# Deliveries per second one target process is given at most when sized automatically: about
+# a third of what one process answers on a core here (`skiplock bench target`), so that the
+# target keeps the headroom the design asks of it and is never what a run measures.
+RATE_PER_TARGET_PROCESS = 1000.0
+
+
+def processes_for_rate(rate: float, cores: int | None = None) -> int:
+    """How many target processes a run offering `rate` jobs/s gets: one per
+    `RATE_PER_TARGET_PROCESS`, at least one, at most one per core. A closed loop (rate 0)
+    offers what the queue takes, so it gets one per core."""
+    cores = max(1, cores if cores is not None else (os.cpu_count() or 1))
+    if rate <= 0:
+        return cores
+    return max(1, min(cores, math.ceil(rate / RATE_PER_TARGET_PROCESS)))
+
+
+def route(job_id: uuid.UUID, urls: Sequence[str]) -> str:
+    """The URL of the target process that receives every delivery of `job_id`.
+
+    Each process counts a job's deliveries itself and picks the script's step from that
+    count, so all deliveries of one job must reach the same process: the job id picks it.
+    Spreading connections instead (`SO_REUSEPORT`) would split a job's retries over
+    processes whose counts would each see only part of them."""
+    return urls[job_id.int % len(urls)]
+
+
+class TargetGroup:
+    """`count` echo targets, each its own process, port and delivery log (`target-0`,
+    `target-1`, ...). Jobs are spread over them by `route`; every fault acts on the
+    targets one by one (`members`), as on targets on several hosts."""
+
+    def __init__(self, out_dir: Path, count: int, host: str = "127.0.0.1",
+                 **options: Any) -> None:
+        if count < 1:
+            raise ValueError("a target group needs at least one process")
+        self.members = [TargetProcess(out_dir, name=f"target-{i}", host=host, **options)
+                        for i in range(count)]
+
+    @property
+    def deliver_urls(self) -> list[str]:
+        return [t.deliver_url for t in self.members]
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """`host:port` of each member, for the dispatcher's allow-list."""
+        return tuple(f"{t.host}:{t.port}" for t in self.members)
+
+    @property
+    def url(self) -> str:
+        """The members' base URLs, for people to read."""
+        return ", ".join(t.url for t in self.members)
+
+    def start(self) -> TargetGroup:
+        try:
+            for target in self.members:
+                target.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM every member at once, then wait for each (they record what is open)."""
+        for target in self.members:
+            pid = target.pid
+            if pid is not None and target.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+        for target in self.members:
+            target.stop()
+
+    def __enter__(self) -> TargetGroup:
+        return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -39,7 +39,7 @@ import numbers
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from functools import cached_property
@@ -66,6 +66,9 @@ RUN_FILE = "run.json"
 SAMPLES_FILE = "samples.csv"
 WAITS_FILE = "waits.csv"
 LOCUST_DIR = "locust"
+# LOCUST_DIR/<process>.cpu.json: a producer process's CPU seconds and acknowledged jobs over
+# the load.
+PRODUCER_CPU_SUFFIX = ".cpu.json"
 VERDICT_FILE = "verdict.json"
 
 
@@ -626,6 +629,20 @@ class LogWriter(_AppendOnlyFile):
 
     def write(self, record: Mapping[str, Any] | Any) -> None:
         self._append(self.log.line(record))
+
+    def write_many(self, records: Iterable[Mapping[str, Any] | Any]) -> None:
+        """Several records in one write: the same lines as `write` for each, one system
+        call (a producer's whole enqueue batch), never interleaved with another writer's."""
+        data = "".join(self.log.line(record) for record in records)
+        if data:
+            self._append(data)
+
+    def write_text(self, lines: str) -> None:
+        """Whole lines already in this log's format (each as `self.log.line` makes it), in
+        one write. For a writer that builds its lines faster than `line` (the producers);
+        a test holds them equal."""
+        if lines:
+            self._append(lines)
 
 
 def parse_header(path: Path, line: str, log: LogFormat) -> list[str]:

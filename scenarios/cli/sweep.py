@@ -39,10 +39,14 @@ from typing import Any
 import pandas as pd
 import psycopg
 
+from skiplock.chaos.target import RATE_PER_TARGET_PROCESS
+from skiplock.plumbing.argtypes import positive_int
 from skiplock.plumbing.errors import UsageError
 from skiplock.reports.history import (
     ENQUEUES_FILE,
+    LOCUST_DIR,
     LOG_SUFFIX,
+    PRODUCER_CPU_SUFFIX,
     RUN_FILE,
     SPEC_FILE,
     WORKERS_DIR,
@@ -73,6 +77,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="steps run between the last rate that met the objective and the"
                              " first that missed, halving the gap each time (default 2; 0: none)")
     parser.add_argument("--seed", type=int, default=1, help="seed for every step (default 1)")
+    parser.add_argument("--target-processes", type=positive_int, default=None, metavar="N",
+                        help="echo target processes for every step (default: one per "
+                             f"{RATE_PER_TARGET_PROCESS:g} jobs/s asked, at most one per core)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a scenario key for every step")
     parser.add_argument("--dsn", default=None,
@@ -152,69 +159,147 @@ def run(args: argparse.Namespace) -> int:
 
 
 MAX_BISECT = 8
-# Enqueue transactions carry this many jobs once the sweep raises the producers' side.
-RAISED_ENQUEUE_BATCH = 10
+
+# Sizing the producers to the rate asked (`size_producers`): enqueue transactions per second
+# over all producers at most (the batch grows with the rate instead: on a busy machine a
+# durable commit can take hundreds of milliseconds, and fewer, bigger ones keep up); the
+# seconds a transaction of B jobs is allowed (about twice what one took here at 3,000
+# jobs/s: p50 0.21 s for 100 jobs), and users for twice the transactions in flight that
+# allows (a Locust user paced at a constant rate never catches up after a slow one); the
+# jobs/s one producer process is given, the largest batch, and the most users in all (each
+# holds a connection of its own; PostgreSQL's default max_connections is 100, shared with
+# the workers).
+TRANSACTIONS_PER_SECOND = 30.0
+TRANSACTION_SECONDS = 0.1  # plus TRANSACTION_SECONDS_PER_JOB for each job in it
+TRANSACTION_SECONDS_PER_JOB = 0.005
+USERS_MARGIN = 2.0
+RATE_PER_PRODUCER = 2000.0
+MAX_ENQUEUE_BATCH = 400
+MAX_USERS = 48
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProducerSizes:
+    """The producers' side of one step: processes, users in each, jobs per transaction."""
+
+    producers: int
+    users: int
+    enqueue_batch: int
+
+    @property
+    def distributed(self) -> bool:
+        """More than one process: Locust's distributed mode (a master and its workers)."""
+        return self.producers > 1
+
+
+def size_producers(rate: float, base: ProducerSizes, cores: int) -> ProducerSizes:
+    """Producers that offer `rate` with room to spare: transactions of
+    rate / TRANSACTIONS_PER_SECOND jobs (so commits stay few), USERS_MARGIN times the users
+    that many transactions in flight need if each takes its allowed time, and one process
+    per RATE_PER_PRODUCER jobs/s, at most one per core. Never below the scenario's own
+    settings."""
+    batch = min(MAX_ENQUEUE_BATCH, max(base.enqueue_batch,
+                                       math.ceil(rate / TRANSACTIONS_PER_SECOND)))
+    processes = max(base.producers, min(max(cores, 1), math.ceil(rate / RATE_PER_PRODUCER)))
+    allowed = TRANSACTION_SECONDS + TRANSACTION_SECONDS_PER_JOB * batch
+    users_in_all = math.ceil(USERS_MARGIN * rate / batch * allowed)
+    users = max(base.users, min(MAX_USERS // processes, math.ceil(users_in_all / processes)))
+    return ProducerSizes(producers=processes, users=users, enqueue_batch=batch)
+
+
+def raise_producers(sizes: ProducerSizes, cores: int, *,
+                    users_only: bool = False) -> ProducerSizes | None:
+    """One rung up the ladder after a step whose producers fell short: twice the users
+    (up to MAX_USERS in all), then twice the processes (up to one per core: more only queue
+    for the same CPUs), then twice the batch; None at the top (with `users_only`, once the
+    users are at their cap)."""
+    cap = MAX_USERS // sizes.producers
+    if sizes.users < cap:
+        return dataclasses.replace(sizes, users=min(cap, 2 * sizes.users))
+    if users_only:
+        return None
+    if sizes.producers < cores:
+        producers = min(cores, 2 * sizes.producers)
+        return dataclasses.replace(sizes, producers=producers,
+                                   users=max(1, sizes.users * sizes.producers // producers))
+    if sizes.enqueue_batch < MAX_ENQUEUE_BATCH:
+        return dataclasses.replace(sizes,
+                                   enqueue_batch=min(MAX_ENQUEUE_BATCH, 2 * sizes.enqueue_batch))
+    return None
 
 
 class _Stepper:
-    """Runs steps of a sweep, raising the producers' side when they fall short of the rate
-    asked for (the harness must not be what a capacity sweep measures), and bisects."""
+    """Runs steps of a sweep with producers sized to each rate, raising them when they
+    still fall short of it (the harness must not be what a capacity sweep measures), and
+    bisects."""
 
     def __init__(self, base: Any, args: argparse.Namespace, server: Any, folder: Path,
                  results: list[dict[str, Any]]) -> None:
         self.base, self.args, self.server, self.folder = base, args, server, folder
         self.results = results
-        self.producers, self.enqueue_batch = base.producers, base.enqueue_batch
-        # Most producer processes worth starting: more than two per core only queue up.
-        self.max_producers = max(base.producers, 2 * (os.cpu_count() or 1))
+        self.cores = os.cpu_count() or 1
+        self.floor = ProducerSizes(producers=base.producers, users=base.users,
+                                   enqueue_batch=base.enqueue_batch)
+        # Raised by a step that fell short; later steps start from at least this.
+        self.raised = self.floor
+
+    def _sizes(self, rate: float) -> ProducerSizes:
+        sized = size_producers(rate, self.floor, self.cores)
+        return ProducerSizes(producers=max(sized.producers, self.raised.producers),
+                             users=max(sized.users, self.raised.users),
+                             enqueue_batch=max(sized.enqueue_batch, self.raised.enqueue_batch))
 
     def step(self, rate: float) -> dict[str, Any]:
+        sizes = self._sizes(rate)
         while True:
-            step = self._run(rate)
-            if not step["producers_short"] or not self._raise_producers(step):
+            step = self._run(rate, sizes)
+            if not step["producers_short"]:
                 return step
+            # Producers waiting on the queue's commits gain from more of them in flight,
+            # never from more processes (idle already) or bigger transactions (slower yet).
+            raised = raise_producers(sizes, self.cores, users_only=waited_on_enqueue(step))
+            if raised is None:
+                if waited_on_enqueue(step):
+                    enqueue_bound(step)
+                    _say(f"  the producers offered {step['offered_per_second']:g} of {rate:g}"
+                         f" jobs/s with {_shown(sizes)}, waiting on the queue: "
+                         + enqueue_sentence(step))
+                    return step
+                _say(f"  the producers offered {step['offered_per_second']:g} of "
+                     f"{rate:g} jobs/s with {_shown(sizes)}: the harness is the limit here,"
+                     " not the queue; stopping")
+                return step
+            _say(f"  the producers offered {step['offered_per_second']:g} of {rate:g}"
+                 f" jobs/s: raising them to {_shown(raised)}, and running the step again")
             step["superseded"] = True
+            sizes = self.raised = raised
 
-    def _run(self, rate: float) -> dict[str, Any]:
+    def _run(self, rate: float, sizes: ProducerSizes) -> dict[str, Any]:
+        from skiplock.chaos.target import processes_for_rate
         from skiplock.scenarios.run.runner import RunOptions, run_scenario
 
         # A sweep looks for where the queue stops keeping up: its own objective (`--p99`)
         # judges each step, not the scenario's, which the steps past the knee would miss.
         spec = dataclasses.replace(self.base, rate=rate, duration=self.args.step,
-                                   producers=self.producers,
-                                   enqueue_batch=self.enqueue_batch,
+                                   producers=sizes.producers, users=sizes.users,
+                                   enqueue_batch=sizes.enqueue_batch,
+                                   distributed=self.base.distributed or sizes.distributed,
                                    objectives=Objectives()).validate()
-        _say(f"step {rate:g} jobs/s (producers {spec.producers}, enqueue_batch "
-             f"{spec.enqueue_batch}) ...")
+        targets = self.args.target_processes or processes_for_rate(rate)
+        _say(f"step {rate:g} jobs/s ({_shown(sizes)}; {targets} target process"
+             f"{'es' if targets > 1 else ''}) ...")
         options = RunOptions(seed=self.args.seed, out=self.folder / "runs", server=self.server,
-                             worker_logs_to_files=True)
+                             worker_logs_to_files=True, target_processes=targets)
         with _watch(self.server.dsn) as watched:
             result = run_scenario(spec, options)
         step = measure_step(result.run_dir, objective=self.args.p99)
-        step |= {"rate": rate, "producers": spec.producers,
-                 "enqueue_batch": spec.enqueue_batch, "run_dir": str(result.run_dir),
+        step |= {"rate": rate, "producers": spec.producers, "users": spec.users,
+                 "enqueue_batch": spec.enqueue_batch, "distributed": spec.distributed,
+                 "target_processes": targets, "run_dir": str(result.run_dir),
                  "verdict": str(result.verdict.valid), **watched.summary()}
         self.results.append(step)
         _say("  " + step_line(step))
         return step
-
-    def _raise_producers(self, step: dict[str, Any]) -> bool:
-        """One rung up the producers' ladder (bigger enqueue transactions, then twice the
-        processes); False at the top, where the harness is the limit."""
-        if self.enqueue_batch < RAISED_ENQUEUE_BATCH:
-            self.enqueue_batch = RAISED_ENQUEUE_BATCH
-        elif self.producers < self.max_producers:
-            self.producers = min(2 * self.producers, self.max_producers)
-        else:
-            _say(f"  the producers offered {step['offered_per_second']:g} of "
-                 f"{step['rate']:g} jobs/s with {self.producers} processes and "
-                 f"{self.enqueue_batch} jobs per transaction: the harness is the limit here,"
-                 " not the queue; stopping")
-            return False
-        _say(f"  the producers offered {step['offered_per_second']:g} of {step['rate']:g}"
-             f" jobs/s: raising them to {self.producers} process(es), {self.enqueue_batch}"
-             " jobs per transaction, and running the step again")
-        return True
 
     def bisect(self, rounds: int) -> None:
         """Halve the gap between the highest rate that met the objective and the lowest
@@ -229,6 +314,12 @@ class _Stepper:
             step = self.step(middle)
             if step["producers_short"]:
                 return
+
+
+def _shown(sizes: ProducerSizes) -> str:
+    return (f"{sizes.producers} producer process{'es' if sizes.producers > 1 else ''}"
+            f"{' (distributed)' if sizes.distributed else ''} x {sizes.users} users,"
+            f" {sizes.enqueue_batch} jobs per transaction")
 
 
 def bracket(steps: Sequence[dict[str, Any]]) -> tuple[float | None, float | None]:
@@ -262,6 +353,7 @@ def measure_step(run_dir: Path, *, objective: float) -> dict[str, Any]:
     seconds = end - start
     enq = pd.read_csv(run_dir / ENQUEUES_FILE, usecols=["type", "job_id", "time"],
                       dtype={"job_id": str, "type": str})
+    enqueue_p50 = enqueue_seconds(enq)
     acked = enq[enq["type"] == "ok"].groupby("job_id")["time"].min()
     in_load = acked[(acked >= start) & (acked < end)]
     first = read_deliveries(run_dir, timeout).first_timely
@@ -280,7 +372,8 @@ def measure_step(run_dir: Path, *, objective: float) -> dict[str, Any]:
              and growth <= max(10.0, BACKLOG_GROWTH_SECONDS * offered))
     requested = float(spec_json["scenario"]["rate"])
     hold = mean_lease_hold(run_dir, start, end)
-    return {"requested_per_second": requested,
+    return {"requested_per_second": requested, **producer_cpu(run_dir),
+            "enqueue_p50_seconds": enqueue_p50,
             "lease_hold_seconds": None if hold is None else round(hold, 4),
             "capacities": capacities(spec_json["scenario"], hold),
             # The producers could not offer the rate asked for: the harness, not the queue,
@@ -292,6 +385,60 @@ def measure_step(run_dir: Path, *, objective: float) -> dict[str, Any]:
             "p99_seconds": None if p99 is None else (p99 if math.isinf(p99) else round(p99, 4)),
             "jobs_never_delivered": missing, "backlog_growth": growth,
             "meets_objective": bool(meets)}
+
+
+def producer_cpu(run_dir: Path) -> dict[str, float | None]:
+    """From every producer process's own report (a Locust master's included): milliseconds
+    of the producers' CPU per acknowledged enqueue over the load, and the busiest process's
+    share of one core; None without reports."""
+    cpu, jobs, busiest = 0.0, 0, None
+    for path in (run_dir / LOCUST_DIR).glob(f"*{PRODUCER_CPU_SUFFIX}"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+            report = json.loads(path.read_text())
+            cpu += float(report["cpu_seconds"])
+            jobs += int(report["acknowledged"])
+            busy = float(report["cpu_seconds"]) / float(report["seconds"])
+            busiest = busy if busiest is None else max(busiest, busy)
+    return {"producer_cpu_ms_per_job": round(1000 * cpu / jobs, 4) if jobs else None,
+            "producer_busiest_core_share": None if busiest is None else round(busiest, 3)}
+
+
+def enqueue_seconds(enq: pd.DataFrame) -> float | None:
+    """p50 of the time from a job's invoke to its ok: how long its enqueue transaction
+    took (the producers wait on that, not on their own CPU, when the queue is slow to take
+    jobs)."""
+    invoked = enq[enq["type"] == "invoke"].groupby("job_id")["time"].min()
+    acked = enq[enq["type"] == "ok"].groupby("job_id")["time"].min()
+    took = (acked - invoked.reindex(acked.index)).dropna()
+    return round(float(took.quantile(0.5)), 4) if len(took) else None
+
+
+# A producer process busier than this share of a core was limited by its own CPU.
+PRODUCER_BUSY_SHARE = 0.5
+
+
+def waited_on_enqueue(step: dict[str, Any]) -> bool:
+    """The producers fell short while every process had CPU to spare: they were waiting on
+    the queue's enqueue transactions, and more producers would wait the same."""
+    busiest = step.get("producer_busiest_core_share")
+    return (bool(step.get("producers_short")) and busiest is not None
+            and busiest < PRODUCER_BUSY_SHARE and step.get("enqueue_p50_seconds") is not None)
+
+
+def enqueue_bound(step: dict[str, Any]) -> None:
+    """Judge a step whose producers waited on the queue as the queue's: it did not take the
+    rate asked, so it misses the objective (the knee lies below), and the harness is not
+    blamed."""
+    step["producers_short"] = False
+    step["enqueue_bound"] = True
+    step["meets_objective"] = False
+
+
+def enqueue_sentence(step: dict[str, Any]) -> str:
+    return (f"its enqueue took p50 {step['enqueue_p50_seconds'] * 1000:.0f} ms a transaction"
+            f" of {step.get('enqueue_batch', '?')} jobs while the busiest producer process used"
+            f" {step['producer_busiest_core_share']:.0%} of a core: the queue's enqueue is the"
+            " limit, not the harness")
 
 
 def mean_lease_hold(run_dir: Path, start: float, end: float) -> float | None:
@@ -359,9 +506,12 @@ def step_line(step: dict[str, Any]) -> str:
     shown = "-" if p99 is None else ("never" if math.isinf(p99) else f"{p99 * 1000:.0f} ms")
     waits = ", ".join(f"{k} {v:.0%}" for k, v in list(step["waits"].items())[:3]) or "-"
     cpu = step["cpu"]
+    per_job = step.get("producer_cpu_ms_per_job")
+    producers = "" if per_job is None else f"producers {per_job * 1000:.0f} µs CPU per job, "
     return (f"offered {step['offered_per_second']:g}/s, delivered "
             f"{step['delivered_per_second']:g}/s, p99 {shown}, backlog "
-            f"{step['backlog_growth']:+.0f}, machine {cpu.get('machine_busy', 0):.0%} busy "
+            f"{step['backlog_growth']:+.0f}, {producers}machine "
+            f"{cpu.get('machine_busy', 0):.0%} busy "
             f"(server {cpu.get('server', 0):.0%}, workers {cpu.get('workers', 0):.0%}, "
             f"harness {cpu.get('harness', 0):.0%} of one core); waits: {waits}; "
             f"{'meets' if step['meets_objective'] else 'MISSES'} the objective")
@@ -395,6 +545,9 @@ def bottleneck(steps: Sequence[dict[str, Any]], knee: float | None) -> str:
                 f"{short['offered_per_second']:g}/s: the harness, not the queue")
     judged = sorted(_judged(steps), key=lambda s: s["rate"])
     past = next((s for s in judged if not s["meets_objective"]), judged[-1])
+    if past.get("enqueue_bound"):
+        return (f"at {past['rate']:g} jobs/s the queue took only "
+                f"{past['offered_per_second']:g} jobs/s: " + enqueue_sentence(past))
     bound = _slot_bound(past)
     if bound is not None:
         return f"at {past['rate']:g} jobs/s: {bound}"

@@ -56,6 +56,7 @@ from locust.exception import StopUser
 from locust.runners import MasterRunner, Runner
 from locust.stats import PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_history
 
+from skiplock.chaos.target import route
 from skiplock.plumbing.orphans import die_with_parent, name_this_process
 from skiplock.queue_impl.interface import NewJob, QueueBackend
 from skiplock.queue_impl.plugins import BackendSpec
@@ -63,9 +64,12 @@ from skiplock.reports.history import (
     ENQUEUE_LOG,
     ENQUEUES_FILE,
     LOCUST_DIR,
+    PRODUCER_CPU_SUFFIX,
     EnqueueOp,
     EnqueueType,
+    JobScript,
     LogWriter,
+    write_json,
 )
 from skiplock.scenarios.run.spec import Chooser, ScenarioSpec, from_mapping
 
@@ -125,7 +129,8 @@ class _Context:
 
     spec: ScenarioSpec
     backend: BackendSpec
-    target_url: str
+    # One per echo target process; every delivery of a job goes to the one its id picks.
+    target_urls: list[str]
     seed: int
     process: str
     writer: LogWriter
@@ -135,9 +140,43 @@ class _Context:
     # `info` outcome for a job that never had a chance).
     stopping: bool = False
     in_flight: int = 0
+    # Jobs whose enqueue was acknowledged, for the CPU per enqueued job (`_report_cpu`).
+    acknowledged: int = 0
 
 
 CTX = _Context()
+
+
+class InvokeLines:
+    """The `invoke` lines of one producer stream, as `ENQUEUE_LOG.line` writes them, built
+    from a cached tail: a line's first three columns are the type, the job id and the time,
+    and everything after them (process, account, target URL, max_attempts, the script's
+    columns) repeats for every job of one script, account and URL. Building each record's
+    line in full was most of a producer's CPU per job."""
+
+    def __init__(self, process: str, max_attempts: int) -> None:
+        self.process, self.max_attempts = process, max_attempts
+        self._tails: dict[tuple[int, str, str], tuple[dict[str, Any], str]] = {}
+
+    def payload_script(self, script: JobScript, account: str, url: str) -> dict[str, Any]:
+        """The script as the job's payload carries it (one dict per script, account, URL)."""
+        return self._tail(script, account, url)[0]
+
+    def line(self, job_id: str, now: float, script: JobScript, account: str,
+             url: str) -> str:
+        return f"invoke,{job_id},{now!r},{self._tail(script, account, url)[1]}"
+
+    def _tail(self, script: JobScript, account: str, url: str) -> tuple[dict[str, Any], str]:
+        # Keyed by the script object: a chooser's scripts live as long as it does.
+        key = (id(script), account, url)
+        found = self._tails.get(key)
+        if found is None:
+            shown = script.to_json()
+            full = ENQUEUE_LOG.line(EnqueueOp(
+                type="invoke", job_id="-", time=0.0, process=self.process, account=account,
+                target_url=url, script=shown, max_attempts=self.max_attempts))
+            found = self._tails[key] = (shown, full.split(",", 3)[3])
+        return found
 
 
 class EnqueueUser(User):
@@ -152,15 +191,25 @@ class EnqueueUser(User):
         CTX.users_started += 1
         self.stream = f"{CTX.process}-u{index}"
         self.chooser = Chooser.for_spec(CTX.spec, CTX.seed, self.stream)
+        self.lines = InvokeLines(self.stream, CTX.spec.max_attempts)
         self.queue: QueueBackend = CTX.backend.create()
 
     def on_stop(self) -> None:
         self.queue.close()
 
-    def _record(self, type_: EnqueueType, job: NewJob, error: str | None = None) -> None:
-        CTX.writer.write(
-            EnqueueOp(type=type_, job_id=str(job.id), time=time.time(), process=self.stream,
+    def _record(self, type_: EnqueueType, jobs: list[NewJob], error: str | None = None) -> None:
+        """One outcome for every job of a transaction, written in one go."""
+        now = time.time()
+        if error is None:
+            # The line `ENQUEUE_LOG.line` writes for an outcome without an error, built once.
+            tail = ENQUEUE_LOG.line(EnqueueOp(type=type_, job_id="-", time=0.0,
+                                              process=self.stream)).split(",", 3)[3]
+            CTX.writer.write_text("".join(f"{type_},{job.id},{now!r},{tail}" for job in jobs))
+            return
+        CTX.writer.write_many(
+            EnqueueOp(type=type_, job_id=str(job.id), time=now, process=self.stream,
                       error=error)
+            for job in jobs
         )
 
     @task
@@ -176,23 +225,19 @@ class EnqueueUser(User):
     def _enqueue(self) -> None:
         spec = CTX.spec
         jobs: list[NewJob] = []
+        invokes: list[str] = []
+        urls, lines = CTX.target_urls, self.lines
         for _ in range(spec.enqueue_batch):
             script, account = self.chooser.next()
-            job = NewJob(
-                id=uuid.uuid4(),
-                account_id=account,
-                target_url=CTX.target_url,
-                payload={"script": script.to_json(), "account": account},
-                max_attempts=spec.max_attempts,
-            )
-            jobs.append(job)
-            CTX.writer.write(
-                EnqueueOp(
-                    type="invoke", job_id=str(job.id), time=time.time(), process=self.stream,
-                    account=account, target_url=CTX.target_url, script=script.to_json(),
-                    max_attempts=spec.max_attempts,
-                )
-            )
+            job_id = uuid.uuid4()
+            url = route(job_id, urls)
+            jobs.append(NewJob(id=job_id, account_id=account, target_url=url,
+                               payload={"script": lines.payload_script(script, account, url),
+                                        "account": account},
+                               max_attempts=spec.max_attempts))
+            invokes.append(lines.line(str(job_id), time.time(), script, account, url))
+        # Every invoke is on disk before the transaction starts, as one write.
+        CTX.writer.write_text("".join(invokes))
         name = f"enqueue x{len(jobs)}"
         with self.environment.events.request.measure("queue", name) as meta:
             try:
@@ -200,15 +245,14 @@ class EnqueueUser(User):
             except BaseException as exc:
                 # GreenletExit (Locust stopping a user mid-call) lands here too: unknown.
                 kind = classify_error(exc) if isinstance(exc, Exception) else "info"
-                for job in jobs:
-                    self._record(kind, job, one_line(exc))
+                self._record(kind, jobs, one_line(exc))
                 if kind == "info":
                     # The connection may be broken: start the next enqueue on a fresh one.
                     self.queue.close()
                 raise
             meta["response_length"] = len(jobs)
-            for job in jobs:
-                self._record("ok", job)
+            self._record("ok", jobs)
+            CTX.acknowledged += len(jobs)
 
 
 def _user_class(spec: ScenarioSpec, total_users: int) -> type[EnqueueUser]:
@@ -273,7 +317,7 @@ def main(config: Mapping[str, Any]) -> int:
     index: int = config["index"]
     CTX.spec = spec
     CTX.backend = BackendSpec(**config["backend"])
-    CTX.target_url = config["target_url"]
+    CTX.target_urls = list(config["target_urls"])
     CTX.seed = int(config["seed"])
     CTX.process = f"producer-{index}" if role != "master" else "producer-master"
     # Every producer process appends to the one log; the writer puts the header first.
@@ -289,6 +333,7 @@ def main(config: Mapping[str, Any]) -> int:
     spawn_rate = users / spec.warmup if spec.warmup > 0 else float(users)
     csv_base = run_dir / LOCUST_DIR / CTX.process
     csv_base.parent.mkdir(parents=True, exist_ok=True)
+    cpu_at_go = time.process_time()
     try:
         if role == "local":
             _run_until(env.create_local_runner(), env, csv_base, users, spawn_rate, stop_at)
@@ -309,9 +354,19 @@ def main(config: Mapping[str, Any]) -> int:
             worker.greenlet.kill(block=False)
         else:
             raise ValueError(f"unknown producer role {role!r}")
+        _report_cpu(run_dir, role, time.process_time() - cpu_at_go, time.time() - start_at)
     finally:
         CTX.writer.close()
     return 0
+
+
+def _report_cpu(run_dir: Path, role: str, cpu_seconds: float, seconds: float) -> None:
+    """RUN_DIR/locust/<process>.cpu.json: the CPU this process used from the go signal to
+    the end of the load, and the jobs it had acknowledged, so a sweep can say what each
+    enqueued job cost the producers (a master enqueues nothing; its CPU counts too)."""
+    write_json(run_dir / LOCUST_DIR / f"{CTX.process}{PRODUCER_CPU_SUFFIX}",
+               {"process": CTX.process, "role": role, "cpu_seconds": round(cpu_seconds, 4),
+                "seconds": round(seconds, 3), "acknowledged": CTX.acknowledged})
 
 
 def _ready_then_wait_for_go(run_dir: Path, process: str, go_file: Path) -> float:

@@ -104,6 +104,9 @@ class RunOptions:
     # The command that replays this run (spec.json and the report show it); None: `skiplock
     # run` of the shipped scenario, with --set for what differs.
     replay: str | None = None
+    # Echo target processes (each its own port and delivery log; jobs routed by id). None:
+    # sized to the offered rate (skiplock.chaos.target.processes_for_rate).
+    target_processes: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -156,7 +159,8 @@ class _Ctx:
     nemesis_log: JsonlWriter
     # What a scheduled nemesis needs besides (skiplock.chaos.nemesis.NemesisContext).
     schema: str = ""
-    target: Any = None
+    # The echo targets (skiplock.chaos.target.TargetProcess), one per target process.
+    targets: list[Any] = field(default_factory=list)
     spec: ScenarioSpec | None = None
     load_start: float = 0.0
 
@@ -201,7 +205,7 @@ class _FaultContext:
         self._ctx.server.restart("immediate")
 
     def targets(self) -> list[_TargetHandle]:
-        return [] if self._ctx.target is None else [_TargetHandle(self._ctx.target)]
+        return [_TargetHandle(target) for target in self._ctx.targets]
 
     def workers_alive(self) -> list[str]:
         return list(self._ctx.pool.running())
@@ -311,12 +315,13 @@ GO_FILE = "go.json"
 
 
 def _producer_configs(spec: ScenarioSpec, backend: BackendSpec, run_dir: Path,
-                      target_url: str, seed: int) -> list[dict[str, Any]]:
+                      target_urls: list[str], seed: int) -> list[dict[str, Any]]:
     base = {
         "spec": spec.to_json(),
         "backend": dataclasses.asdict(backend),
         "run_dir": str(run_dir),
-        "target_url": target_url,
+        # One per target process; each job goes to one of them, by its id.
+        "target_urls": target_urls,
         "seed": seed,
         "go_file": str(run_dir / LOCUST_DIR / GO_FILE),
     }
@@ -766,7 +771,7 @@ def _run_to_final_snapshot(
         server = _start_server(run, stack)
         queue = _set_up_queue(run, stack, server)
         stack.push(_snapshot_on_interrupt(run))
-        target = stack.enter_context(_target(run.run_dir))
+        target = stack.enter_context(_target(run.run_dir, _target_processes(run)))
         config = _run_dispatcher_config(run, target)
 
         loop = _SampleLoop(Sampler(run.run_dir, server.dsn, run.schema, queue,
@@ -788,7 +793,8 @@ def _run_to_final_snapshot(
         if isinstance(queue, RunsOwnWorker):
             # A library's own logging and tracebacks, kept with the run, not in the terminal.
             run.say(f"worker logs: {run.run_dir / 'logs'}")
-        run.say(f"{spec.workers} workers, target {target.url}")
+        run.say(f"{spec.workers} workers, target{'s' if len(target.members) > 1 else ''}"
+                f" {target.url}")
 
         _run_load(run, stack, nemesis, server=server, pool=pool, target=target)
         _drain(run, loop, pool)
@@ -919,7 +925,7 @@ def _snapshot_on_interrupt(
 def _run_dispatcher_config(run: _RunState, target: Any) -> DispatcherConfig:
     """The workers' configuration: the spec's, admitting the run's echo target, seeded, and
     reading failpoints from the run directory when the fault schedule sets any."""
-    allow = (f"{target.host}:{target.port}",)
+    allow = target.addresses
     # The accounts and max_attempts too, which a native worker's loop cannot read from the
     # queue as skiplock's own loop does.
     config = dataclasses.replace(
@@ -941,13 +947,13 @@ def _run_load(
     period, if any), and refuse a run whose producers failed."""
     spec, say = run.spec, run.say
     nemesis_log = stack.enter_context(JsonlWriter(run.run_dir / NEMESIS_FILE))
-    configs = _producer_configs(spec, _backend(run), run.run_dir, target.deliver_url,
+    configs = _producer_configs(spec, _backend(run), run.run_dir, target.deliver_urls,
                                 run.options.seed)
     producers = stack.enter_context(producer_processes(configs))
     start_at = _go(run.run_dir, producers)
     run.phase("warmup")
     nemesis.start(_Ctx(run_dir=run.run_dir, server=server, pool=pool,
-                       nemesis_log=nemesis_log, schema=run.schema, target=target,
+                       nemesis_log=nemesis_log, schema=run.schema, targets=target.members,
                        spec=spec, load_start=start_at + spec.warmup), run.options.seed)
     try:
         stopped = _wait_phases(spec, producers, start_at, run.phase,
@@ -992,16 +998,21 @@ def _write_report(run_dir: Path) -> tuple[Path | None, str | None]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
-@contextlib.contextmanager
-def _target(run_dir: Path) -> Iterator[Any]:
-    from skiplock.chaos.target import TargetProcess
+def _target_processes(run: _RunState) -> int:
+    from skiplock.chaos.target import processes_for_rate
 
-    target = TargetProcess(run_dir, name="target-0")
-    target.start()
-    try:
-        yield target
-    finally:
-        target.stop()
+    chosen = run.options.target_processes
+    return chosen if chosen is not None else processes_for_rate(run.spec.rate)
+
+
+@contextlib.contextmanager
+def _target(run_dir: Path, processes: int) -> Iterator[Any]:
+    """The run's echo targets: one process, or several (each its own port and log) when
+    the rate asks for more than one can answer with room to spare."""
+    from skiplock.chaos.target import TargetGroup
+
+    with TargetGroup(run_dir, processes) as group:
+        yield group
 
 
 def _wait_phases(spec: ScenarioSpec, producers: list[Any], start_at: float,

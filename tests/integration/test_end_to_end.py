@@ -321,6 +321,39 @@ def test_producer_makes_psycopg_cooperative_even_if_imported_first() -> None:
     assert out.split()[1] in ("wait_poll", "wait_select", "wait_selector")
 
 
+# Every script of the scenario with the most kinds, over awkward account names and URLs.
+LINES_SCRIPT = """
+import skiplock.scenarios.run.producers as p
+import json
+from skiplock.reports.history import ENQUEUE_LOG, EnqueueOp
+from skiplock.scenarios.run.spec import load
+
+spec = load("faulty-targets")
+lines = p.InvokeLines("producer-0-u3", 7)
+out = []
+for script in spec.scripts().values():
+    for account in ("acme", 'we,ird "one"', "back\\slash"):
+        for url in ("http://127.0.0.1:9/deliver", "http://[::1]:80/deliver?a=1,2"):
+            for now in (1764790000.123456, 0.1):
+                fast = lines.line("5f0b", now, script, account, url)
+                slow = ENQUEUE_LOG.line(EnqueueOp(
+                    type="invoke", job_id="5f0b", time=now, process="producer-0-u3",
+                    account=account, target_url=url, script=script.to_json(),
+                    max_attempts=7))
+                out.append([fast, slow])
+print(json.dumps(out))
+"""
+
+
+def test_producer_invoke_lines_are_the_log_formats_own() -> None:
+    """The producers build their invoke lines from a cached tail: each must be the line
+    the enqueue log's format writes for the same record, byte for byte."""
+    pairs = json.loads(_in_fresh_python(LINES_SCRIPT).splitlines()[-1])
+    assert len(pairs) >= 12
+    for fast, slow in pairs:
+        assert fast == slow
+
+
 # Runs in a fresh interpreter (the producers module patches the world with gevent).
 COMMIT_ERROR_SCRIPT = """
 import skiplock.scenarios.run.producers as p
@@ -355,7 +388,7 @@ with psycopg.connect(dsn, autocommit=True) as conn:
     ).format(s, s))
 p.CTX.spec = spec
 p.CTX.backend = backend
-p.CTX.target_url = "http://127.0.0.1:9/deliver"
+p.CTX.target_urls = ["http://127.0.0.1:9/deliver"]
 p.CTX.seed = 1
 p.CTX.process = "producer-0"
 p.CTX.writer = LogWriter(run_dir / ENQUEUES_FILE, ENQUEUE_LOG)

@@ -21,8 +21,11 @@ def test_a_two_step_sweep_writes_its_result_and_plot(
     [folder] = tmp_path.iterdir()
     doc = json.loads((folder / "sweep.json").read_text())
     assert doc["benchmark"] == "sweep" and doc["scenario"] == "steady"
-    assert [s["rate"] for s in doc["steps"]] == [20, 40]
-    for step in doc["steps"]:
+    # A step whose producers fell short on a busy machine is run again with more of them;
+    # the first run is kept, marked superseded, and does not count.
+    judged = [s for s in doc["steps"] if not s.get("superseded")]
+    assert [s["rate"] for s in judged] == [20, 40]
+    for step in judged:
         # A light load on an idle queue: every job offered was delivered, well in time.
         assert step["offered_per_second"] > 0
         assert step["delivered_per_second"] >= 0.9 * step["offered_per_second"]
@@ -35,7 +38,11 @@ def test_a_two_step_sweep_writes_its_result_and_plot(
         assert 0 < step["lease_hold_seconds"] < 5
         assert {"account slots (17 in all)", "workers' slots (2 x 10)"} <= set(
             step["capacities"])
-        assert step["producers"] == 1 and step["enqueue_batch"] == 1
+        # Producers and target sized to a light rate: one process each.
+        assert step["producers"] == 1 and not step["distributed"]
+        assert step["target_processes"] == 1
+        # Every producer process said what its enqueues cost it.
+        assert 0 < step["producer_cpu_ms_per_job"] < 100
     assert doc["knee_rate"] == 40 and doc["knee_above_rates"] is True
     assert (folder / "sweep.png").stat().st_size > 10_000
     assert "above 40 jobs/s" in capsys.readouterr().out

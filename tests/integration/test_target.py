@@ -6,6 +6,7 @@ import asyncio
 import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -443,3 +444,18 @@ def test_a_restarted_target_resumes_from_what_each_job_saw(tmp_path: Path) -> No
         3, 1, {"400": 1, "503": 2})
     assert [r["seen"] for r in records(again, job)] == [2, 1, 3]
     assert [r["seen"] for r in records(again, other) if r["target"] == "again"] == [1]
+
+
+def test_target_processes_are_sized_to_the_rate_and_jobs_keep_to_one() -> None:
+    from skiplock.chaos.target import processes_for_rate, route
+
+    assert processes_for_rate(100, cores=2) == 1
+    assert processes_for_rate(3000, cores=2) == 2
+    assert processes_for_rate(3000, cores=8) == 3
+    assert processes_for_rate(0, cores=4) == 4  # a closed loop: one per core
+    urls = ["http://127.0.0.1:1/deliver", "http://127.0.0.1:2/deliver"]
+    jobs = [uuid.uuid4() for _ in range(400)]
+    # Every delivery of a job goes to one process, and the jobs spread over all of them.
+    assert all(route(job, urls) == route(job, list(urls)) for job in jobs)
+    spread = Counter(route(job, urls) for job in jobs)
+    assert set(spread) == set(urls) and min(spread.values()) > 120

@@ -407,3 +407,38 @@ def test_the_schedule_kills_and_restarts_a_target_and_records_its_window(
     time.sleep(0.3)  # the firing's thread has ended by now
     assert target.alive()
     assert post(target.deliver_url, job_id()).status == 200
+
+
+def test_target_faults_and_scripts_hold_across_target_processes(
+        pg_dsn: str, tmp_path: Path) -> None:
+    """A run with its echo target as two processes: the hang and the kill each hit both
+    (count 2), scripted 503s, resets and late answers keep their step counts because every
+    delivery of a job reaches one process, and the checker merges the two logs."""
+    import dataclasses
+
+    from skiplock.reports.history import DELIVERIES_DIR, NEMESIS_FILE, read_jsonl
+    from skiplock.scenarios.run import spec as spec_mod
+    from skiplock.scenarios.run.runner import RunOptions, run_scenario
+
+    spec = spec_mod.load("target-hangs", ["duration=6", "rate=60"])
+    spec = dataclasses.replace(
+        spec, nemesis=tuple(dataclasses.replace(n, count=2) for n in spec.nemesis))
+    result = run_scenario(spec, RunOptions(seed=1, out=tmp_path, dsn=pg_dsn,
+                                           target_processes=2, report=False))
+    assert result.verdict.valid is True, result.verdict.counts
+    logs = {p.stem: list(read_log(p, DELIVERY_LOG))
+            for p in (result.run_dir / DELIVERIES_DIR).glob("*.csv")}
+    assert set(logs) == {"target-0", "target-1"} and all(logs.values())
+    # No job was delivered to both: each process saw every delivery of its jobs.
+    jobs = [{r["job_id"] for r in records} for records in logs.values()]
+    assert not jobs[0] & jobs[1]
+    retried = [r for records in logs.values() for r in records if r["seen"] >= 2]
+    assert retried, "no job was delivered twice: the faults and 503s did nothing"
+    hit: dict[str, set[str]] = {}
+    for event in read_jsonl(result.run_dir / NEMESIS_FILE):
+        if not event.get("skipped"):
+            hit.setdefault(event["fault"], set()).add(event["target"])
+    both = {"target-0", "target-1"}
+    assert hit == {"hang_target": both, "kill_target": both}, hit
+    assert result.verdict.counts["enqueued"] == result.verdict.counts["completed"] + \
+        result.verdict.counts["failed"]

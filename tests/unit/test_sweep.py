@@ -7,7 +7,20 @@ from typing import Any
 import pytest
 
 from skiplock.plumbing.errors import UsageError
-from skiplock.scenarios.cli.sweep import bottleneck, bracket, capacities, knee_of, parse_rates
+from skiplock.scenarios.cli.sweep import (
+    MAX_ENQUEUE_BATCH,
+    MAX_USERS,
+    ProducerSizes,
+    bottleneck,
+    bracket,
+    capacities,
+    enqueue_bound,
+    knee_of,
+    parse_rates,
+    raise_producers,
+    size_producers,
+    waited_on_enqueue,
+)
 
 
 def test_sweep_rates_and_knee() -> None:
@@ -65,3 +78,58 @@ def test_the_bound_named_is_the_slots_the_delivered_rate_reached() -> None:
     far = {**near, "delivered_per_second": 120.0,
            "cpu": {"machine_busy": 0.95, "server": 0.9, "workers": 0.5, "harness": 0.2}}
     assert "the machine's CPUs (95% busy" in bottleneck([far], knee=None)
+
+
+STEADY = ProducerSizes(producers=1, users=4, enqueue_batch=1)
+
+
+def test_producers_are_sized_to_the_rate_asked() -> None:
+    # A light rate keeps the scenario's own producers (one process, one job a transaction).
+    low = size_producers(20, STEADY, cores=2)
+    assert (low.producers, low.enqueue_batch, low.distributed) == (1, 1, False)
+    assert low.users >= 4
+    # 3,000 jobs/s: a hundred jobs per commit, a process per core in distributed mode.
+    high = size_producers(3000, STEADY, cores=2)
+    assert high.enqueue_batch == 100 and high.producers == 2 and high.distributed
+    # Users enough for twice the transactions in flight if each took 0.6 s.
+    assert high.producers * high.users >= 2 * 30 * 0.6
+    # One core: one process, whatever the rate; never below what the scenario says.
+    assert size_producers(3000, STEADY, cores=1).producers == 1
+    own = ProducerSizes(producers=3, users=50, enqueue_batch=100)
+    assert size_producers(10, own, cores=2) == own
+
+
+def test_the_ladder_raises_users_then_processes_then_the_batch_and_ends() -> None:
+    sizes: ProducerSizes | None = ProducerSizes(producers=1, users=20, enqueue_batch=30)
+    seen = []
+    while sizes is not None:
+        seen.append(sizes)
+        sizes = raise_producers(sizes, cores=2)
+    assert [s.users for s in seen[:3]] == [20, 40, MAX_USERS]
+    # Then a process per core, the users shared out between them, then bigger batches.
+    assert (seen[3].producers, seen[3].users, seen[3].enqueue_batch) == (2, MAX_USERS // 2, 30)
+    assert [s.enqueue_batch for s in seen[4:]] == [60, 120, 240, MAX_ENQUEUE_BATCH]
+    # Never more connections than the cap, however far it climbs.
+    assert all(s.producers * s.users <= MAX_USERS for s in seen)
+    # Producers waiting on the queue's commits only get more users in flight.
+    waiting = ProducerSizes(producers=2, users=8, enqueue_batch=100)
+    assert raise_producers(waiting, cores=2, users_only=True) == ProducerSizes(
+        producers=2, users=16, enqueue_batch=100)
+    assert raise_producers(seen[3], cores=2, users_only=True) is None
+
+
+def test_producers_that_waited_on_the_queue_make_the_step_the_queues() -> None:
+    waiting = _step(3000, False, producers_short=True, offered_per_second=1800.0,
+                    enqueue_p50_seconds=0.81, producer_busiest_core_share=0.08,
+                    enqueue_batch=100)
+    busy = {**waiting, "producer_busiest_core_share": 0.97}
+    assert waited_on_enqueue(waiting) and not waited_on_enqueue(busy)
+    # Producers short of CPU: the harness is the limit, and no knee is claimed.
+    assert "the harness" in bottleneck([_step(1000, True), busy], None)
+    # Producers with CPU to spare, waiting on commits: the queue did not take the rate.
+    enqueue_bound(waiting)
+    steps = [_step(1000, True), waiting]
+    assert knee_of(steps) == 1000 and bracket(steps) == (1000, 3000)
+    said = bottleneck(steps, 1000)
+    assert "took only 1800 jobs/s" in said and "p50 810 ms" in said
+    assert "the queue's enqueue is the limit" in said
