@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, cast
 
-from skiplock.scenarios.bench.queue import processes_in_step, require_package, say_progress
+from skiplock.scenarios.bench.common import processes_in_step, require_package, say_progress
 
 QUEUE_NAME = "skiplock-bench"
 ENQUEUE_CHUNK = 1_000
@@ -231,7 +231,7 @@ def bullmq_e2e_phase(url: str, params: Any, say: Any) -> Any:
 
     from skiplock.chaos.target import TargetProcess
     from skiplock.queue_impl.config import DispatcherConfig
-    from skiplock.scenarios.bench.e2e import judge_window, timed_window
+    from skiplock.scenarios.bench.window import judge_window, timed_window
 
     version = require_bullmq()
     with tempfile.TemporaryDirectory(prefix="skiplock-bench-bullmq-") as tmp:

@@ -17,44 +17,23 @@ import contextlib
 import json
 import math
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
-from skiplock.plumbing.errors import HarnessError, UsageError
+from skiplock.plumbing.errors import UsageError
 from skiplock.reports.selfdescribe import describe
 from skiplock.scenarios.bench import queue as bench_queue
-from skiplock.scenarios.bench.cpu import CpuWindow
-from skiplock.scenarios.bench.target import cpu_seconds
+from skiplock.scenarios.bench.common import Params
+from skiplock.scenarios.bench.window import E2eResult, judge_window, timed_window
 from skiplock.scenarios.servers.postgres import postgres
 
 DEFAULT_DURATION = 10.0
 # Jobs per second of duration put in each phase's backlog: more than either phase can take.
 PREFILL_JOBS_PER_SECOND = 6_000
-
-
-@dataclass(frozen=True, kw_only=True)
-class E2eResult:
-    jobs: int
-    seconds: float
-    jobs_per_second: float
-    # Per job, claim to result written, in ms.
-    job_p50_ms: float | None
-    job_p99_ms: float | None
-    ran_dry: bool
-    worker_cpu_seconds: float | None
-    target_cpu_seconds: float | None
-    # The PostgreSQL and Redis processes on this machine (None: none seen, a remote server),
-    # and the share of the machine's CPU time that was busy, over the same window.
-    server_cpu_seconds: float | None = None
-    redis_cpu_seconds: float | None = None
-    machine_busy: float | None = None
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +68,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="JSON result file (default ./bench-results/e2e-TIMESTAMP.json)")
 
 
-def _validate(args: argparse.Namespace) -> tuple[bench_queue.Params, Path]:
+def _validate(args: argparse.Namespace) -> tuple[Params, Path]:
     for name in ("workers", "batch"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name} must be a positive integer, got {getattr(args, name)}")
@@ -114,7 +93,7 @@ def _validate(args: argparse.Namespace) -> tuple[bench_queue.Params, Path]:
     out = args.out or Path("bench-results") / f"e2e-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
     if out.is_dir():
         raise UsageError(f"--out {out} is a directory; give a file name")
-    return bench_queue.Params(workers=args.workers, batch=args.batch,
+    return Params(workers=args.workers, batch=args.batch,
                               duration=float(args.duration), prefill=prefill), out
 
 
@@ -164,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _one_round(admin_dsn: str, dsn: str, params: bench_queue.Params, args: argparse.Namespace,
+def _one_round(admin_dsn: str, dsn: str, params: Params, args: argparse.Namespace,
                redis: Any) -> dict[str, Any]:
     """Every phase once, each on its own freshly prefilled schema: the queue alone, the
     dispatcher end to end, and the system compared against, if any."""
@@ -248,7 +227,7 @@ def _print_summary(doc: Mapping[str, Any]) -> None:
                  f"{'-' if other is None else f'{other:.2f}'}")
 
 
-def e2e_phase(dsn: str, schema: str, params: bench_queue.Params, *,
+def e2e_phase(dsn: str, schema: str, params: Params, *,
               refill: bool = True) -> E2eResult:
     from skiplock.chaos.target import TargetProcess
     from skiplock.queue_impl.config import DispatcherConfig
@@ -274,71 +253,6 @@ def e2e_phase(dsn: str, schema: str, params: bench_queue.Params, *,
         return judge_window(events, window, params)
 
 
-Cpu = tuple[float | None, float | None]
-
-
-@dataclass(kw_only=True)
-class Window:
-    """One phase's measured window: when it started, the CPU seconds of (workers, target)
-    at its start and end, and every group's CPU over it."""
-
-    started: float
-    before: Cpu
-    after: Cpu
-    machine: CpuWindow
-
-
-def timed_window(worker_pids: list[int | None], target_pid: int | None,
-                 duration: float) -> Window:
-    """Wait out one phase's window, saying each second."""
-    machine = CpuWindow()
-    machine.start()
-    started = time.time()
-    before = _cpu(worker_pids), _cpu([target_pid])
-    deadline = started + duration
-    while (now := time.time()) < deadline:
-        time.sleep(min(1.0, deadline - now))
-        _say(f"  {time.time() - started:4.0f} s")
-    after = _cpu(worker_pids), _cpu([target_pid])
-    machine.stop()
-    return Window(started=started, before=before, after=after, machine=machine)
-
-
-def judge_window(events: Path, window: Window, params: bench_queue.Params) -> E2eResult:
-    """The jobs whose result was written in the window, and their claim to write latency,
-    from the worker event logs in `events`; where the CPU went meanwhile."""
-    started = window.started
-    ended = started + params.duration
-    frames = [pd.read_csv(path, usecols=["kind", "time", "job_id"])
-              for path in sorted(events.glob("*.csv"))]
-    if not frames:
-        raise HarnessError("no worker event log was written")
-    ev = pd.concat(frames, ignore_index=True)
-    claims = ev[ev["kind"] == "claim"].groupby("job_id")["time"].min()
-    writes = ev[ev["kind"] == "write"].groupby("job_id")["time"].min()
-    in_window = writes[(writes >= started) & (writes < ended)]
-    latency = ((in_window - claims.reindex(in_window.index)) * 1000).dropna().sort_values()
-    return E2eResult(
-        jobs=len(in_window), seconds=params.duration,
-        jobs_per_second=len(in_window) / params.duration,
-        job_p50_ms=bench_queue.percentile(latency.tolist(), 0.50),
-        job_p99_ms=bench_queue.percentile(latency.tolist(), 0.99),
-        ran_dry=len(writes) >= params.prefill,
-        worker_cpu_seconds=_delta(window.before[0], window.after[0]),
-        target_cpu_seconds=_delta(window.before[1], window.after[1]),
-        server_cpu_seconds=window.machine.seconds("server"),
-        redis_cpu_seconds=window.machine.seconds("redis"),
-        machine_busy=window.machine.machine_busy())
-
-
-def _cpu(pids: list[int | None]) -> float | None:
-    seconds = [cpu_seconds(pid) for pid in pids if pid is not None]
-    return None if not seconds or any(s is None for s in seconds) else \
-        sum(s for s in seconds if s is not None)
-
-
-def _delta(before: float | None, after: float | None) -> float | None:
-    return None if before is None or after is None else round(after - before, 2)
 
 
 def _one_decimal(value: float | None) -> str:

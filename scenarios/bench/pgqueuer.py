@@ -24,7 +24,7 @@ from typing import Any
 
 import psycopg
 
-from skiplock.scenarios.bench.queue import processes_in_step, require_package, say_progress
+from skiplock.scenarios.bench.common import processes_in_step, require_package, say_progress
 from skiplock.scenarios.servers.postgres import fresh_database
 
 ENTRYPOINT = "skiplock_bench"
@@ -245,7 +245,7 @@ def pgqueuer_e2e_phase(dsn: str, params: Any, say: Any) -> Any:
     import multiprocess
 
     from skiplock.chaos.target import TargetProcess
-    from skiplock.scenarios.bench.e2e import judge_window, timed_window
+    from skiplock.scenarios.bench.window import judge_window, timed_window
 
     version = require_pgqueuer()
     with tempfile.TemporaryDirectory(prefix="skiplock-bench-pgqueuer-") as tmp:

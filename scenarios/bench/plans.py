@@ -311,6 +311,27 @@ def drop_abandoned_databases(dsn: str) -> int:
     return dropped
 
 
+def _prepare(conn: psycopg.Connection[Any], schema: str, statements: dict[str, str]) -> None:
+    """The session as the queue's own, the schema with the queue's tables, the accounts."""
+    # The queue runs its statements in READ COMMITTED (sqlfile's contract).
+    conn.isolation_level = IsolationLevel.READ_COMMITTED
+    for name, value in SESSION_SETTINGS.items():
+        conn.execute("SELECT set_config(%s, %s, false)", (name, value))
+    if conn.info.server_version >= 140000:
+        # A plans killed with SIGKILL cannot cancel its INSERT of millions of rows; the
+        # server then notices the closed socket within a second and stops the statement,
+        # instead of writing gigabytes for nobody.
+        conn.execute("SELECT set_config('client_connection_check_interval', '1s', false)")
+    create_schema(conn, schema, statements)
+    # Planned as the queue's own connections plan it: once, generically.
+    apply_plan_settings(conn)
+    # The bloated variant measures the garbage made here, not what autovacuum left.
+    conn.execute("ALTER TABLE jobs SET (autovacuum_enabled = off)")
+    conn.execute("INSERT INTO accounts (id, concurrency_limit) "
+                 "SELECT * FROM unnest(%s::text[], %s::integer[])",
+                 ([a.id for a in ACCOUNTS], [a.limit for a in ACCOUNTS]))
+
+
 def measure_sizes(dsn: str, statements: dict[str, str], sizes: tuple[int, ...], *, batch: int,
                   repeat: int, say: Say) -> Result:
     """Grow one table through `sizes` (increasing) and measure the four variants at each.
@@ -345,24 +366,7 @@ def measure_sizes(dsn: str, statements: dict[str, str], sizes: tuple[int, ...], 
             with psycopg.connect(run_dsn, autocommit=True,
                                  application_name=APPLICATION_NAME) as conn:
                 database = str(conn.info.dbname)
-                # The queue runs its statements in READ COMMITTED (sqlfile's contract).
-                conn.isolation_level = IsolationLevel.READ_COMMITTED
-                for name, value in SESSION_SETTINGS.items():
-                    conn.execute("SELECT set_config(%s, %s, false)", (name, value))
-                if conn.info.server_version >= 140000:
-                    # A plans killed with SIGKILL cannot cancel its INSERT of millions of
-                    # rows; the server then notices the closed socket within a second and
-                    # stops the statement, instead of writing gigabytes for nobody.
-                    conn.execute("SELECT set_config('client_connection_check_interval',"
-                                 " '1s', false)")
-                create_schema(conn, schema, statements)
-                # Planned as the queue's own connections plan it: once, generically.
-                apply_plan_settings(conn)
-                # The bloated variant measures the garbage made here, not what autovacuum left.
-                conn.execute("ALTER TABLE jobs SET (autovacuum_enabled = off)")
-                conn.execute("INSERT INTO accounts (id, concurrency_limit) "
-                             "SELECT * FROM unnest(%s::text[], %s::integer[])",
-                             ([a.id for a in ACCOUNTS], [a.limit for a in ACCOUNTS]))
+                _prepare(conn, schema, statements)
                 current = 0
                 for size in sizes:
                     say(f"size {size:,}: adding {size - current:,} jobs")

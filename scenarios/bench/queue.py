@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -34,28 +34,15 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from skiplock.plumbing.errors import HarnessError, UsageError
 from skiplock.reports.selfdescribe import describe
+from skiplock.scenarios.bench.common import Params, percentile, processes_in_step, say_progress
 from skiplock.scenarios.servers.postgres import pg_binary, postgres
 
 LEASE = timedelta(seconds=300)
 ENQUEUE_CHUNK = 5_000
-# How long a comparison's worker process may take to connect and say it is ready.
-READY_SECONDS = 60.0
 # Generous on purpose: a phase that runs out of due jobs measures an empty queue, not the
 # queue. Running dry is detected and reported either way.
 PREFILL_JOBS_PER_SECOND = 8_000
 PREFILL_MIN = 20_000
-READY_TIMEOUT_SECONDS = 60.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class Params:
-    workers: int
-    batch: int
-    duration: float
-    prefill: int
-    # The backlog as a queue has it: "vacuumed" (VACUUM ANALYZE after the fill) or "fresh"
-    # (only ANALYZE: rows arrive faster than autovacuum visits, so a claim meets them so).
-    fill: str = "vacuumed"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,37 +156,10 @@ def validate(args: argparse.Namespace) -> Params:
 def run(args: argparse.Namespace) -> int:
     params = validate(args)
     against = getattr(args, "against", None)
-    if against == "pgqueuer":
-        from skiplock.scenarios.bench.pgqueuer import require_pgqueuer
-
-        require_pgqueuer()  # said before anything runs
-    elif against == "bullmq":
-        from skiplock.scenarios.bench.bullmq import require_bullmq
-
-        require_bullmq()
-    if getattr(args, "redis_url", None) is not None and against != "bullmq":
-        raise UsageError("--redis-url is only used with --against bullmq")
-    out = args.out or Path("bench-results") / f"queue-{_stamp()}.json"
-    # Refuse an unwritable --out before spending a benchmark's time.
-    if out.is_dir():
-        raise UsageError(f"--out {out} is a directory; give a file name")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {out}: cannot create its folder ({exc.strerror})") from None
+    out = _checked_inputs(args, against)
     with postgres(args.dsn, durable=True) as server:
         settings = server.settings()
-        _say(
-            f"server: {server.kind} {server.display}, PostgreSQL {settings['server_version']}, "
-            f"fsync={settings['fsync']} synchronous_commit={settings['synchronous_commit']} "
-            f"full_page_writes={settings['full_page_writes']}"
-            + ("" if settings["durable"] else "  (NOT durable: figures are not comparable)")
-        )
-        _say(
-            f"params: workers={params.workers} batch={params.batch} "
-            f"duration={params.duration:g}s prefill={params.prefill} "
-            f"fill={params.fill} durability={args.durability} ({DURABILITY[args.durability]})"
-        )
+        _say_setup(server, settings, params, args.durability)
         dsn = session_dsn(server.dsn, args.durability)
         with contextlib.ExitStack() as stack:
             redis = None
@@ -221,7 +181,67 @@ def run(args: argparse.Namespace) -> int:
         if result["ceiling"].jobs_per_second > 0
         else None
     )
-    doc = {
+    doc = _result_doc(args, params, server, settings, rounds, (result, other), ratio)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    _print_summary(result["queue"], result["ceiling"], ratio)
+    if len(rounds) > 1:
+        _say_rounds(doc["rounds"], against)
+    if other is not None and against is not None:
+        how = "its QueueManager" if against == "pgqueuer" else "its Worker"
+        _say(f"{against} {other['version']} ({how}): "
+             f"{other['jobs_per_second']:,.0f} jobs/s, {other['jobs']} jobs"
+             + (" (ran dry: raise --prefill)" if other["ran_dry"] else ""))
+        _say(f"ratio PgQueue/{against}: {doc[f'ratio_to_{against}'] or 0:.2f}")
+    _say(f"written: {out}")
+    return 0
+
+
+def _checked_inputs(args: argparse.Namespace, against: str | None) -> Path:
+    """Everything the command line must get right, said before anything runs; the result
+    file's path."""
+    if against == "pgqueuer":
+        from skiplock.scenarios.bench.pgqueuer import require_pgqueuer
+
+        require_pgqueuer()
+    elif against == "bullmq":
+        from skiplock.scenarios.bench.bullmq import require_bullmq
+
+        require_bullmq()
+    if getattr(args, "redis_url", None) is not None and against != "bullmq":
+        raise UsageError("--redis-url is only used with --against bullmq")
+    out: Path = args.out or Path("bench-results") / f"queue-{_stamp()}.json"
+    # Refuse an unwritable --out before spending a benchmark's time.
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a directory; give a file name")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {out}: cannot create its folder ({exc.strerror})") from None
+    return out
+
+
+def _say_setup(server: Any, settings: Mapping[str, Any], params: Params,
+               durability: str) -> None:
+    _say(
+        f"server: {server.kind} {server.display}, PostgreSQL {settings['server_version']}, "
+        f"fsync={settings['fsync']} synchronous_commit={settings['synchronous_commit']} "
+        f"full_page_writes={settings['full_page_writes']}"
+        + ("" if settings["durable"] else "  (NOT durable: figures are not comparable)")
+    )
+    _say(
+        f"params: workers={params.workers} batch={params.batch} "
+        f"duration={params.duration:g}s prefill={params.prefill} "
+        f"fill={params.fill} durability={durability} ({DURABILITY[durability]})"
+    )
+
+
+def _result_doc(args: argparse.Namespace, params: Params, server: Any,
+                settings: Mapping[str, Any], rounds: list[Any], chosen: tuple[Any, Any],
+                ratio: float | None) -> dict[str, Any]:
+    """The self-describing result: the median round's figures, and every round's."""
+    (result, other), against = chosen, getattr(args, "against", None)
+    return {
         "benchmark": "queue",
         "finished_at": datetime.now(UTC).isoformat(),
         "params": {**asdict(params), "rounds": args.rounds},
@@ -240,73 +260,6 @@ def run(args: argparse.Namespace) -> int:
         **(_versus(result, other, against) if other and against else {}),
         "rounds": [_round_figures(r, o, against) for r, o in rounds],
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    _print_summary(result["queue"], result["ceiling"], ratio)
-    if len(rounds) > 1:
-        _say_rounds(doc["rounds"], against)
-    if other is not None and against is not None:
-        how = "its QueueManager" if against == "pgqueuer" else "its Worker"
-        _say(f"{against} {other['version']} ({how}): "
-             f"{other['jobs_per_second']:,.0f} jobs/s, {other['jobs']} jobs"
-             + (" (ran dry: raise --prefill)" if other["ran_dry"] else ""))
-        _say(f"ratio PgQueue/{against}: {doc[f'ratio_to_{against}'] or 0:.2f}")
-    _say(f"written: {out}")
-    return 0
-
-
-def say_progress(procs: Sequence[Any], duration: float, count: Callable[[], int | None],
-                 say: Callable[[str], None]) -> None:
-    """Until `procs` end, once a second of the `duration` window, the jobs `count` says are
-    done (a cheap counter: never a scan of the table being measured)."""
-    from multiprocess.connection import wait
-
-    started = shown = time.monotonic()
-    while alive := [proc for proc in procs if proc.is_alive()]:
-        wait([proc.sentinel for proc in alive], timeout=1.0)
-        now = time.monotonic()
-        if now - shown >= 1.0 and now - started <= duration + 0.5:
-            shown = now
-            done = count()
-            say(f"  {now - started:4.0f} s  " + ("" if done is None else f"{done:>9,} jobs"))
-
-
-@contextlib.contextmanager
-def processes_in_step(procs: Sequence[Any], ready: Any, *, what: str,
-                      join_seconds: float) -> Iterator[None]:
-    """Start `procs` and wait until each has released `ready`; the body then lets them go
-    and waits out its window. Afterwards each is joined (up to `join_seconds`) and any that
-    failed is a HarnessError naming it; whatever still runs on the way out is killed."""
-    try:
-        for proc in procs:
-            proc.start()
-        for _ in procs:
-            if not ready.acquire(timeout=READY_SECONDS):
-                raise HarnessError(f"a {what} worker did not get ready in time")
-        yield
-        for proc in procs:
-            proc.join(timeout=join_seconds)
-        failed = [p.name for p in procs if p.exitcode != 0]
-        if failed:
-            raise HarnessError(f"{what} worker(s) failed: {', '.join(failed)}")
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-
-
-def require_package(module: str, flag: str, install: str) -> str:
-    """The installed version of the package `module` comes from; UsageError naming `flag`
-    and how to install it when it is missing (said before anything runs)."""
-    import importlib
-    from importlib.metadata import version
-
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        raise UsageError(f"{flag} needs {module}: {install}") from None
-    return version(module)
 
 
 def _say(line: str) -> None:
@@ -502,13 +455,6 @@ def _pending(dsn: str, schema: str) -> int:
     return int(row[0]) if row else 0
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[index]
-
-
 # --- phase 1: PgQueue in W processes ------------------------------------------------------
 
 
@@ -572,7 +518,6 @@ def _queue_worker(
 
 def queue_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
     import multiprocess
-    from multiprocess.connection import wait
 
     ctx = multiprocess.get_context("fork")
     ready = ctx.Semaphore(0)
@@ -591,33 +536,13 @@ def queue_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
             )
             for i in range(params.workers)
         ]
-        try:
-            for proc in procs:
-                proc.start()
-            for _ in procs:
-                if not ready.acquire(timeout=READY_TIMEOUT_SECONDS):
-                    raise HarnessError("a benchmark worker did not get ready in time")
+        with processes_in_step(procs, ready, what="PgQueue",
+                               join_seconds=params.duration + 60):
             _say(f"PgQueue: {params.workers} worker processes, {params.duration:g} s")
-            started = time.monotonic()
-            start_at.value = started + params.duration
+            start_at.value = time.monotonic() + params.duration
             go.set()
-            shown = started
-            while alive := [proc for proc in procs if proc.is_alive()]:
-                # Wakes when a worker ends, else once a second for the progress line.
-                wait([proc.sentinel for proc in alive], timeout=1.0)
-                now = time.monotonic()
-                if now - shown >= 1.0 and now - started <= params.duration + 0.5:
-                    shown = now
-                    _say(f"  {now - started:4.0f} s  {sum(progress):>9,} jobs")
-            failed = [proc.name for proc in procs if proc.exitcode != 0]
-            if failed:
-                raise HarnessError(f"benchmark worker(s) failed: {', '.join(failed)}")
-            figures = [json.loads(Path(path).read_text()) for path in outs]
-        finally:
-            for proc in procs:
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
+            say_progress(procs, params.duration, lambda: sum(progress), _say)
+        figures = [json.loads(Path(path).read_text()) for path in outs]
     jobs = sum(f["jobs"] for f in figures)
     cycles = sorted(c for f in figures for c in f["cycles"])
     claims = sorted(c for f in figures for c in f["claims"])

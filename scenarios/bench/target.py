@@ -188,6 +188,41 @@ def _run_load(
     return results
 
 
+def _results(results: list[dict[str, Any]], cpu_used: float | None,
+             target_stats: dict[str, Any], log_bytes: int) -> dict[str, Any]:
+    """The load processes' requests and latencies, and the target's CPU per delivery."""
+    latencies: list[float] = []
+    for result in results:
+        chunk = array("d")
+        chunk.frombytes(result["latencies"])
+        latencies.extend(chunk)
+    latencies.sort()
+    rate = sum(r["requests"] / r["window"] for r in results if r["window"] > 0)
+    deliveries = int(target_stats.get("deliveries", 0))
+    per_request = None if cpu_used is None or not deliveries else cpu_used * 1e6 / deliveries
+
+    def ms(value: float | None) -> float | None:
+        return None if value is None else round(value * 1000.0, 3)
+
+    return {
+        "requests": sum(r["requests"] for r in results),
+        "errors": sum(r["errors"] for r in results),
+        "requests_per_second": round(rate, 1),
+        "latency_ms": {
+            "p50": ms(_percentile(latencies, 0.50)),
+            "p99": ms(_percentile(latencies, 0.99)),
+            "max": ms(latencies[-1] if latencies else None),
+        },
+        # CPU the target spent per delivery (warm-up included): its ceiling on one core,
+        # less sensitive to a busy machine than requests/s is.
+        "target_cpu_seconds": None if cpu_used is None else round(cpu_used, 3),
+        "target_cpu_us_per_request": None if per_request is None else round(per_request, 1),
+        "target_capacity_per_core_estimate": None if not per_request else round(1e6 / per_request),
+        "target_stats": target_stats,
+        "delivery_log_bytes": log_bytes,
+    }
+
+
 def bench(
     *, duration: float, concurrency: int, load_processes: int, warmup: float
 ) -> dict[str, Any]:
@@ -215,23 +250,7 @@ def bench(
         target_stats = target.stats()
         log_bytes = target.deliveries_path.stat().st_size
 
-    latencies: list[float] = []
-    for result in results:
-        chunk = array("d")
-        chunk.frombytes(result["latencies"])
-        latencies.extend(chunk)
-    latencies.sort()
-    requests = sum(r["requests"] for r in results)
-    errors = sum(r["errors"] for r in results)
-    rate = sum(r["requests"] / r["window"] for r in results if r["window"] > 0)
-
     cpu_used = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
-    deliveries = int(target_stats.get("deliveries", 0))
-    per_request = None if cpu_used is None or not deliveries else cpu_used * 1e6 / deliveries
-
-    def ms(value: float | None) -> float | None:
-        return None if value is None else round(value * 1000.0, 3)
-
     return {
         "benchmark": "target",
         "started": started,
@@ -244,25 +263,7 @@ def bench(
             "job_script": SUCCEED.to_json(),
             "load_client": "aiohttp",
         },
-        "results": {
-            "requests": requests,
-            "errors": errors,
-            "requests_per_second": round(rate, 1),
-            "latency_ms": {
-                "p50": ms(_percentile(latencies, 0.50)),
-                "p99": ms(_percentile(latencies, 0.99)),
-                "max": ms(latencies[-1] if latencies else None),
-            },
-            # CPU the target spent per delivery (warm-up included): its ceiling on one
-            # core, less sensitive to a busy machine than requests/s is.
-            "target_cpu_seconds": None if cpu_used is None else round(cpu_used, 3),
-            "target_cpu_us_per_request": None if per_request is None else round(per_request, 1),
-            "target_capacity_per_core_estimate": None
-            if not per_request
-            else round(1e6 / per_request),
-            "target_stats": target_stats,
-            "delivery_log_bytes": log_bytes,
-        },
+        "results": _results(results, cpu_used, target_stats, log_bytes),
         **description,
         "notes": "The target records every delivery with one write() and no fsync; load "
         "and target share the machine's cores.",

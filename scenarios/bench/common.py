@@ -1,0 +1,88 @@
+"""What every benchmark that drives worker processes shares: its parameters, starting its
+processes in step and saying their progress, the optional packages a comparison needs, and a
+percentile."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from skiplock.plumbing.errors import HarnessError, UsageError
+
+# How long a benchmark's worker process may take to get ready (connect, prepare).
+READY_SECONDS = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Params:
+    workers: int
+    batch: int
+    duration: float
+    prefill: int
+    # The backlog as a queue has it: "vacuumed" (VACUUM ANALYZE after the fill) or "fresh"
+    # (only ANALYZE: rows arrive faster than autovacuum visits, so a claim meets them so).
+    fill: str = "vacuumed"
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+def say_progress(procs: Sequence[Any], duration: float, count: Callable[[], int | None],
+                 say: Callable[[str], None]) -> None:
+    """Until `procs` end, once a second of the `duration` window, the jobs `count` says are
+    done (a cheap counter: never a scan of the table being measured)."""
+    from multiprocess.connection import wait
+
+    started = shown = time.monotonic()
+    while alive := [proc for proc in procs if proc.is_alive()]:
+        wait([proc.sentinel for proc in alive], timeout=1.0)
+        now = time.monotonic()
+        if now - shown >= 1.0 and now - started <= duration + 0.5:
+            shown = now
+            done = count()
+            say(f"  {now - started:4.0f} s  " + ("" if done is None else f"{done:>9,} jobs"))
+
+
+@contextlib.contextmanager
+def processes_in_step(procs: Sequence[Any], ready: Any, *, what: str,
+                      join_seconds: float) -> Iterator[None]:
+    """Start `procs` and wait until each has released `ready`; the body then lets them go
+    and waits out its window. Afterwards each is joined (up to `join_seconds`) and any that
+    failed is a HarnessError naming it; whatever still runs on the way out is killed."""
+    try:
+        for proc in procs:
+            proc.start()
+        for _ in procs:
+            if not ready.acquire(timeout=READY_SECONDS):
+                raise HarnessError(f"a {what} worker did not get ready in time")
+        yield
+        for proc in procs:
+            proc.join(timeout=join_seconds)
+        failed = [p.name for p in procs if p.exitcode != 0]
+        if failed:
+            raise HarnessError(f"{what} worker(s) failed: {', '.join(failed)}")
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def require_package(module: str, flag: str, install: str) -> str:
+    """The installed version of the package `module` comes from; UsageError naming `flag`
+    and how to install it when it is missing (said before anything runs)."""
+    import importlib
+    from importlib.metadata import version
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise UsageError(f"{flag} needs {module}: {install}") from None
+    return version(module)
