@@ -181,10 +181,28 @@ class Guarantees:
 REFERENCE_GUARANTEES = Guarantees()
 
 
+@runtime_checkable
+class DeclaresGuarantees(Protocol):
+    """A backend that promises less than the reference (or says what it promises): the
+    checker judges it by these, and marks what it does not promise as not applicable."""
+
+    guarantees: Guarantees
+
+
+@runtime_checkable
+class DeclaresSharing(Protocol):
+    """A factory, queue or queue class that says whether separate processes share its
+    queue: `shared = False` for one that lives in the process that built it (the in-memory
+    model), which skiplock then runs in one process only."""
+
+    shared: bool
+
+
 def guarantees_of(queue: object) -> Guarantees:
-    """The promises `queue` declares: its `guarantees` attribute, else the reference's."""
-    found = getattr(queue, "guarantees", None)
-    return found if isinstance(found, Guarantees) else REFERENCE_GUARANTEES
+    """The promises `queue` declares, else the reference's."""
+    if isinstance(queue, DeclaresGuarantees) and isinstance(queue.guarantees, Guarantees):
+        return queue.guarantees
+    return REFERENCE_GUARANTEES
 
 
 # -- optional capabilities: a backend has one by having the attribute; the dispatcher asks

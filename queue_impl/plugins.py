@@ -29,7 +29,12 @@ from urllib.parse import unquote
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from skiplock.queue_impl.interface import Guarantees, QueueBackend
+from skiplock.queue_impl.interface import (
+    DeclaresGuarantees,
+    DeclaresSharing,
+    Guarantees,
+    QueueBackend,
+)
 
 BACKEND_NAMES: tuple[str, ...] = ("pg", "pg-naive", "pg-for-update", "pg-long-tx")
 # Queues on Redis, with their own worker loops: the run provisions Redis for them.
@@ -125,7 +130,8 @@ def validate_backend_name(name: str) -> None:
 def is_shared(factory_or_queue: object) -> bool:
     """False when a factory, a queue or the queue's class says `shared = False`: its queue
     lives in the process that built it, so separate processes would each see their own."""
-    return getattr(factory_or_queue, "shared", True) is not False
+    return not (isinstance(factory_or_queue, DeclaresSharing)
+                and factory_or_queue.shared is False)
 
 
 def _process_local(queue: object) -> bool:
@@ -188,7 +194,7 @@ def check_backend(name: str, *, dsn: str | None, schema: str,
         raise _not_shared(name)
     backend = _build(factory, name, dsn, schema, sql_path, options)
     local = _process_local(backend)
-    declared = getattr(backend, "guarantees", None)
+    declared = backend.guarantees if isinstance(backend, DeclaresGuarantees) else None
     if declared is not None and not isinstance(declared, Guarantees):
         with contextlib.suppress(Exception):
             backend.close()

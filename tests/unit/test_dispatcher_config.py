@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import cast
@@ -235,9 +236,18 @@ def test_optional_capabilities_are_declared_protocols_not_names() -> None:
     Protocol of queue_impl/interface.py, never with getattr or hasattr on a name."""
     from pathlib import Path
 
-    from skiplock.queue_impl.interface import ClaimCommitHook, HoldsClaims, ThrottledNotify
+    from skiplock.queue_impl.interface import (
+        REFERENCE_GUARANTEES,
+        ClaimCommitHook,
+        DeclaresGuarantees,
+        DeclaresSharing,
+        HoldsClaims,
+        ThrottledNotify,
+        guarantees_of,
+    )
     from skiplock.queue_impl.memory import InMemoryQueue
     from skiplock.queue_impl.pg import PgQueue
+    from skiplock.queue_impl.plugins import is_shared
 
     long_tx = PgQueue("postgresql://127.0.0.1:1/x", variant="pg-long-tx")
     reference = PgQueue("postgresql://127.0.0.1:1/x")
@@ -247,7 +257,13 @@ def test_optional_capabilities_are_declared_protocols_not_names() -> None:
     assert isinstance(reference, ClaimCommitHook)
     memory = InMemoryQueue()
     assert not isinstance(memory, HoldsClaims | ThrottledNotify | ClaimCommitHook)
-    folder = Path(__file__).resolve().parents[2] / "queue_impl"
-    for name in ("dispatcher", "deliver", "events", "failpoints", "config"):
-        source = (folder / f"{name}.py").read_text()
-        assert "getattr(self.backend" not in source and "hasattr(backend" not in source, name
+    root = Path(__file__).resolve().parents[2]
+    looked_up = re.compile(r"\b(getattr|hasattr)\((self\.)?(backend|queue|factory\w*)\b")
+    for path in [*root.glob("queue_impl/*.py"), *root.glob("scenarios/**/*.py")]:
+        found = looked_up.search(path.read_text())
+        assert found is None, f"{path.relative_to(root)}: {found and found.group(0)}"
+    assert isinstance(memory, DeclaresSharing) and memory.shared is False
+    assert not is_shared(memory) and is_shared(reference)
+    assert isinstance(memory, DeclaresGuarantees)
+    assert guarantees_of(memory) == memory.guarantees != REFERENCE_GUARANTEES
+    assert guarantees_of(object()) is REFERENCE_GUARANTEES
