@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skiplock.reports.history import RunInfo
 from skiplock.scenarios.run.progress import Sample
 from skiplock.scenarios.servers.postgres import PgServer
+
+if TYPE_CHECKING:
+    from skiplock.reports.checker import Verdict
 
 DEFAULT_OUT = Path("runs")
 
@@ -47,7 +50,7 @@ class RunOptions:
 @dataclass(kw_only=True)
 class RunResult:
     run_dir: Path
-    verdict: Any  # skiplock.reports.checker.Verdict
+    verdict: Verdict
     info: RunInfo
     samples: list[Sample] = field(default_factory=list)
     description: dict[str, Any] = field(default_factory=dict)

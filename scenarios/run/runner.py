@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from skiplock.plumbing.errors import HarnessError, Unhonoured, UsageError
@@ -497,7 +498,7 @@ def _set_up_queue(run: _RunState, stack: contextlib.ExitStack, server: PgServer)
 
 def _snapshot_on_interrupt(
     run: _RunState,
-) -> Callable[[type[BaseException] | None, BaseException | None, Any], bool]:
+) -> Callable[[type[BaseException] | None, BaseException | None, TracebackType | None], bool]:
     """An exit callback that takes the final snapshot when the run is interrupted (Ctrl-C),
     so that an interrupted run is still judgeable. It never swallows the exception."""
     snapshot_spec = _backend(run)
@@ -543,16 +544,16 @@ def _run_load(
     spec, say = run.spec, run.say
     nemesis_log = stack.enter_context(JsonlWriter(run.run_dir / NEMESIS_FILE))
     configs = producer_configs(spec, _backend(run), run.run_dir, target.deliver_urls,
-                                run.options.seed)
+                               run.options.seed)
     producers = stack.enter_context(producer_processes(configs))
     start_at = go(run.run_dir, producers)
     run.phase("warmup")
     nemesis.start(LiveRun(run_dir=run.run_dir, server=server, pool=pool,
-                       nemesis_log=nemesis_log, schema=run.schema, targets=target.members,
-                       spec=spec, load_start=start_at + spec.warmup), run.options.seed)
+                           nemesis_log=nemesis_log, schema=run.schema, targets=target.members,
+                           spec=spec, load_start=start_at + spec.warmup), run.options.seed)
     try:
         stopped = wait_phases(spec, producers, start_at, run.phase,
-                               watch=lambda: check_disk(run.run_dir))
+                              watch=lambda: check_disk(run.run_dir))
     finally:
         nemesis.stop()
     if run.planned:
