@@ -413,7 +413,8 @@ def verdict_summary(verdict: Any) -> dict[str, Any]:
 def run_kind(kind: str, params: Params, *, server: Any, runs: Path) -> dict[str, Any]:
     """One kind's run, analysed from its directory. A harness failure is this kind's
     result (`error`), not the benchmark's end."""
-    from skiplock.scenarios.run.runner import RunOptions, run_scenario
+    from skiplock.scenarios.run.options import RunOptions
+    from skiplock.scenarios.run.runner import run_scenario
 
     spec = spec_for(kind, params)
     row: dict[str, Any] = {"kind": kind, "planned_window_seconds": window_of(kind, spec),

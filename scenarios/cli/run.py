@@ -30,7 +30,7 @@ from skiplock.scenarios.run.spec import ScenarioSpec, SpecError, available, load
 from skiplock.scenarios.servers.postgres import DSN_ENV, PgServer
 
 if TYPE_CHECKING:
-    from skiplock.scenarios.run.runner import RunOptions
+    from skiplock.scenarios.run.options import RunOptions
 
 
 def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
@@ -245,7 +245,7 @@ def backend_options(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 
 def run_options(args: argparse.Namespace, seed: int, server: PgServer) -> RunOptions:
-    from skiplock.scenarios.run.runner import RunOptions
+    from skiplock.scenarios.run.options import RunOptions
 
     return RunOptions(backend=args.backend, backend_options=backend_options(args),
                       seed=seed, out=args.out, dsn=args.dsn,

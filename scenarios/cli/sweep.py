@@ -276,7 +276,8 @@ class _Stepper:
 
     def _run(self, rate: float, sizes: ProducerSizes) -> dict[str, Any]:
         from skiplock.chaos.target import processes_for_rate
-        from skiplock.scenarios.run.runner import RunOptions, run_scenario
+        from skiplock.scenarios.run.options import RunOptions
+        from skiplock.scenarios.run.runner import run_scenario
 
         # A sweep looks for where the queue stops keeping up: its own objective (`--p99`)
         # judges each step, not the scenario's, which the steps past the knee would miss.

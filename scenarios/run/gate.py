@@ -246,7 +246,8 @@ def run_case(scenario: str, seed: int, *, server: Any, backend: str, sql_path: s
     """One scenario x seed, judged (and its report.html written, unless `report` is off).
     Bad input raises UsageError (it would fail every case alike); a harness failure is this
     case's result (exit 4)."""
-    from skiplock.scenarios.run.runner import RunOptions, run_scenario
+    from skiplock.scenarios.run.options import RunOptions
+    from skiplock.scenarios.run.runner import run_scenario
     from skiplock.scenarios.run.spec import SpecError, load
 
     try:

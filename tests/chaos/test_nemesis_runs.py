@@ -13,7 +13,8 @@ import pytest
 from skiplock.chaos.nemesis import shortcut
 from skiplock.reports.history import NEMESIS_FILE, WORKERS_DIR, read_jsonl
 from skiplock.scenarios.run import spec as spec_mod
-from skiplock.scenarios.run.runner import RunOptions, RunResult, run_scenario
+from skiplock.scenarios.run.options import RunOptions, RunResult
+from skiplock.scenarios.run.runner import run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(150)]
 

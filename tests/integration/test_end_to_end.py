@@ -40,7 +40,9 @@ from skiplock.reports.history import (
 from skiplock.reports.objectives import Objectives
 from skiplock.scenarios.bench.cpu import process_stats
 from skiplock.scenarios.run import spec as spec_mod
-from skiplock.scenarios.run.runner import RunContext, RunOptions, RunResult, run_scenario
+from skiplock.scenarios.run.fault_context import RunContext
+from skiplock.scenarios.run.options import RunOptions, RunResult
+from skiplock.scenarios.run.runner import run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -457,19 +459,19 @@ class _Proc:
 
 def test_a_producer_stopped_for_overrunning_is_not_a_harness_failure() -> None:
     from skiplock.plumbing.errors import HarnessError
-    from skiplock.scenarios.run.runner import _check_producers, _wait_phases
+    from skiplock.scenarios.run.load import check_producers, wait_phases
 
     spec = spec_mod.load("steady", ["warmup=0", "duration=0.2"])
     prompt, overrun = _Proc("prompt", 0.0), _Proc("overrun", 120.0)
     phases: list[str] = []
-    stopped = _wait_phases(spec, [prompt, overrun], time.time(), phases.append,
+    stopped = wait_phases(spec, [prompt, overrun], time.time(), phases.append,
                            overrun_seconds=0.5)
     assert stopped == ["overrun"]
     assert phases == ["load"]
     assert not overrun.is_alive() and overrun.exitcode == -signal.SIGTERM
-    _check_producers([prompt, overrun], stopped)  # our own stop: no error
+    check_producers([prompt, overrun], stopped)  # our own stop: no error
     with pytest.raises(HarnessError, match="overrun"):
-        _check_producers([prompt, overrun])  # the same exit code on its own is a failure
+        check_producers([prompt, overrun])  # the same exit code on its own is a failure
 
 
 def _descendants(root: int) -> set[int]:
@@ -584,11 +586,11 @@ def test_sigterm_mid_load_cleans_up_and_leaves_a_judgeable_run(
 
 def test_interrupted_snapshot_on_an_unreachable_server_writes_nothing(tmp_path: Path) -> None:
     from skiplock.queue_impl.plugins import BackendSpec
-    from skiplock.scenarios.run.runner import _interrupted_snapshot
+    from skiplock.scenarios.run.snapshot import interrupted_snapshot
 
     # Port 1 on loopback: nothing listens, so the connection is refused at once.
     backend = BackendSpec(name="pg", dsn="postgresql://postgres@127.0.0.1:1/none")
-    rows, note = _interrupted_snapshot(backend, tmp_path / FINAL_JOBS_FILE, seconds=2.0)
+    rows, note = interrupted_snapshot(backend, tmp_path / FINAL_JOBS_FILE, seconds=2.0)
     assert rows is None
     assert note.startswith("not taken: ")
     assert list(tmp_path.iterdir()) == []

@@ -22,7 +22,8 @@ from skiplock.reports.history import (
 )
 from skiplock.reports.report import REPORT_FILE
 from skiplock.scenarios.run import spec as spec_mod
-from skiplock.scenarios.run.runner import RunOptions, RunResult, run_scenario
+from skiplock.scenarios.run.options import RunOptions, RunResult
+from skiplock.scenarios.run.runner import run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -38,7 +38,8 @@ from skiplock.queue_impl.pg import PgQueue, _sample_params
 from skiplock.queue_impl.sqlfile import BLOCK_NAMES, REFERENCE_PATH, allowed_placeholders
 from skiplock.reports.history import VERDICT_FILE, read_json
 from skiplock.scenarios.run import spec as spec_mod
-from skiplock.scenarios.run.runner import RunOptions, run_scenario
+from skiplock.scenarios.run.options import RunOptions
+from skiplock.scenarios.run.runner import run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

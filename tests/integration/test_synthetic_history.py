@@ -24,7 +24,8 @@ from skiplock.reports.history import (
 )
 from skiplock.reports.synthetic import RunBuilder
 from skiplock.scenarios.run import spec as spec_mod
-from skiplock.scenarios.run.runner import RunOptions, run_scenario
+from skiplock.scenarios.run.options import RunOptions
+from skiplock.scenarios.run.runner import run_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 

@@ -418,7 +418,8 @@ def test_target_faults_and_scripts_hold_across_target_processes(
 
     from skiplock.reports.history import DELIVERIES_DIR, NEMESIS_FILE, read_jsonl
     from skiplock.scenarios.run import spec as spec_mod
-    from skiplock.scenarios.run.runner import RunOptions, run_scenario
+    from skiplock.scenarios.run.options import RunOptions
+    from skiplock.scenarios.run.runner import run_scenario
 
     spec = spec_mod.load("target-hangs", ["duration=6", "rate=60"])
     spec = dataclasses.replace(
