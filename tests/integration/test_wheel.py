@@ -51,7 +51,8 @@ def _source_files() -> set[str]:
 def test_the_wheel_holds_every_source_file_under_skiplock(wheel: zipfile.ZipFile) -> None:
     names = set(wheel.namelist())
     packaged = {n for n in names if not n.split("/")[0].endswith(".dist-info")}
-    expected = _source_files() | {"skiplock/__init__.py", "skiplock/py.typed"}
+    expected = _source_files() | {"skiplock/__init__.py", "skiplock/__main__.py",
+                                   "skiplock/py.typed"}
     assert expected - packaged == set(), "left out of the wheel"
     assert packaged - expected == set(), "in the wheel but not in the source tree"
     # Every top-level name is `skiplock`: nothing generic lands in a user's site-packages.
