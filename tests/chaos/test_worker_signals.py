@@ -191,6 +191,11 @@ def test_sigkill_mid_lease_leaves_the_lease_for_another_worker_to_recover(
             "the first worker's claim",
             lambda: [e for e in events(first.events_path("first-0")) if e["kind"] == "claim"],
         )[0]
+        # Killed once its call is at the target, so the claim was received and its attempt
+        # counts: killed between its claim and its receipt, the attempt would be given back
+        # unreceived and the re-claim be attempt 1 again (another test's subject).
+        wait_for("the first worker's call at the target",
+                 lambda: sum(target.stats()["in_flight"].values()) >= 1)
         first.kill(0, signal.SIGKILL)
         assert first.join(10.0)
         assert first.exitcodes() == [-signal.SIGKILL]
