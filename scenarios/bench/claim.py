@@ -34,6 +34,7 @@ from skiplock.plumbing.errors import UsageError
 from skiplock.queue_impl.pg import apply_plan_settings, explain_as_run
 from skiplock.queue_impl.sqlfile import statements_and_sources
 from skiplock.reports.selfdescribe import describe
+from skiplock.scenarios.bench.common import result_path
 from skiplock.scenarios.bench.queue import MAX_ROUNDS, by_round
 from skiplock.scenarios.servers.postgres import postgres
 
@@ -103,9 +104,7 @@ def run(args: argparse.Namespace) -> int:
         statements, _ = statements_and_sources(args.sql)
     except (OSError, ValueError) as exc:
         raise UsageError(f"--sql {args.sql}: {exc}") from None
-    out = args.out or Path("bench-results") / f"claim-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
-    if out.is_dir():
-        raise UsageError(f"--out {out} is a directory; give a file name")
+    out = result_path(args.out, "claim")
     with postgres(args.dsn, durable=True) as server:
         settings = server.settings()
         print(f"server: {server.kind} {server.display}, PostgreSQL "

@@ -8,6 +8,8 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from skiplock.plumbing.errors import HarnessError, UsageError
@@ -86,3 +88,16 @@ def require_package(module: str, flag: str, install: str) -> str:
     except ImportError:
         raise UsageError(f"{flag} needs {module}: {install}") from None
     return version(module)
+
+
+def result_path(out: Path | None, benchmark: str) -> Path:
+    """Where a benchmark writes its result: `out`, else `bench-results/BENCHMARK-STAMP.json`.
+    A path that cannot be written is refused before the benchmark spends any time."""
+    path = out or Path("bench-results") / f"{benchmark}-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
+    if path.is_dir():
+        raise UsageError(f"--out {path} is a directory; give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {path}: cannot create its folder ({exc.strerror})") from None
+    return path

@@ -27,7 +27,7 @@ from typing import Any
 from skiplock.plumbing.errors import UsageError
 from skiplock.reports.selfdescribe import describe
 from skiplock.scenarios.bench import queue as bench_queue
-from skiplock.scenarios.bench.common import Params
+from skiplock.scenarios.bench.common import Params, result_path
 from skiplock.scenarios.bench.window import E2eResult, judge_window, timed_window
 from skiplock.scenarios.servers.postgres import postgres
 
@@ -90,9 +90,7 @@ def _validate(args: argparse.Namespace) -> tuple[Params, Path]:
     if not 1 <= args.rounds <= bench_queue.MAX_ROUNDS:
         raise UsageError(f"--rounds must be from 1 to {bench_queue.MAX_ROUNDS}, "
                          f"got {args.rounds}")
-    out = args.out or Path("bench-results") / f"e2e-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.json"
-    if out.is_dir():
-        raise UsageError(f"--out {out} is a directory; give a file name")
+    out = result_path(args.out, "e2e")
     return Params(workers=args.workers, batch=args.batch,
                               duration=float(args.duration), prefill=prefill), out
 

@@ -34,7 +34,13 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from skiplock.plumbing.errors import HarnessError, UsageError
 from skiplock.reports.selfdescribe import describe
-from skiplock.scenarios.bench.common import Params, percentile, processes_in_step, say_progress
+from skiplock.scenarios.bench.common import (
+    Params,
+    percentile,
+    processes_in_step,
+    result_path,
+    say_progress,
+)
 from skiplock.scenarios.servers.postgres import pg_binary, postgres
 
 LEASE = timedelta(seconds=300)
@@ -210,15 +216,7 @@ def _checked_inputs(args: argparse.Namespace, against: str | None) -> Path:
         require_bullmq()
     if getattr(args, "redis_url", None) is not None and against != "bullmq":
         raise UsageError("--redis-url is only used with --against bullmq")
-    out: Path = args.out or Path("bench-results") / f"queue-{_stamp()}.json"
-    # Refuse an unwritable --out before spending a benchmark's time.
-    if out.is_dir():
-        raise UsageError(f"--out {out} is a directory; give a file name")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {out}: cannot create its folder ({exc.strerror})") from None
-    return out
+    return result_path(args.out, "queue")
 
 
 def _say_setup(server: Any, settings: Mapping[str, Any], params: Params,
@@ -264,10 +262,6 @@ def _result_doc(args: argparse.Namespace, params: Params, server: Any,
 
 def _say(line: str) -> None:
     print(line, flush=True)
-
-
-def _stamp() -> str:
-    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
 def _ms(value: float | None) -> str:

@@ -31,7 +31,6 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +60,7 @@ from skiplock.reports.history import (
     write_json,
 )
 from skiplock.reports.selfdescribe import describe
+from skiplock.scenarios.bench.common import result_path
 from skiplock.scenarios.run.spec import ScenarioSpec, SpecError, from_mapping
 
 # The order the kinds run in by default: every kind a scenario may name.
@@ -502,19 +502,6 @@ def validate(args: argparse.Namespace) -> Params:
     return params
 
 
-def _stamp() -> str:
-    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-
-
-def _writable(out: Path) -> None:
-    if out.is_dir():
-        raise UsageError(f"--out {out} is a directory; give a file name")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {out}: cannot create its folder ({exc.strerror})") from None
-
-
 COLUMNS = (("kind", 19), ("window s", 8), ("pre-fault/s", 11), ("dip", 5),
            ("recovery s", 13), ("slowest job s", 13), ("dup jobs", 8), ("verdict", 0))
 
@@ -636,8 +623,7 @@ def bench(params: Params, *, dsn: str | None, runs: Path, out: Path | None = Non
 
 def run(args: argparse.Namespace) -> int:
     params = validate(args)
-    out: Path = args.out or Path("bench-results") / f"recovery-{_stamp()}.json"
-    _writable(out)
+    out = result_path(args.out, "recovery")
     runs: Path = args.runs or out.with_name(f"{out.stem}-runs")
     try:
         runs.mkdir(parents=True, exist_ok=True)
