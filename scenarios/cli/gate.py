@@ -16,9 +16,19 @@ from rich.console import Console
 
 from skiplock.plumbing.errors import UsageError
 from skiplock.scenarios.cli.run import backend_options, check_dsn, check_redis_url
-from skiplock.scenarios.run.gate import DEFAULT_OUT, SUITE, line, resolve_scenarios, run_gate
+from skiplock.scenarios.run.gate import (
+    DEFAULT_OUT,
+    SUITE,
+    line,
+    resolve_scenarios,
+    run_gate,
+    serve_lane,
+)
+from skiplock.scenarios.run.gate_lanes import LaneCommand
 from skiplock.scenarios.servers.postgres import DSN_ENV, check_reachable
 
+# A lane is a server and a run's processes: past a few, they only contend for the cores.
+MAX_LANES = 8
 # Each seed is a whole pass over the suite (minutes): more than this is a typo, not a plan.
 MAX_SEEDS = 1000
 
@@ -53,6 +63,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-report", action="store_true",
                         help="skip each case's report.html (about 2 s a case); the gate's "
                         "own page still lists the cases")
+    parser.add_argument("--lanes", type=int, default=None, metavar="N",
+                        help="cases run at a time, each on a server of its own (default: one"
+                        " per core, up to two)")
+    # A lane of a gate: cases from standard input, results to standard output (gate_lanes).
+    parser.add_argument("--lane", action="store_true", help=argparse.SUPPRESS)
+
+
+def check_lanes(lanes: int | None) -> None:
+    if lanes is not None and not 1 <= lanes <= MAX_LANES:
+        raise UsageError(f"--lanes must be between 1 and {MAX_LANES} (got {lanes}); each"
+                         " lane runs a server and a case of its own")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--seeds must be between 1 and {MAX_SEEDS} (got {args.seeds}); "
                          "each seed runs every scenario once, about three minutes")
     check_out(args.out)
+    check_lanes(args.lanes)
     scenarios = resolve_scenarios(args.only)
     overrides = list(args.overrides) + (["recovery=false"] if args.no_recovery else [])
     # Every scenario must load with the overrides before anything runs.
@@ -79,6 +101,11 @@ def run(args: argparse.Namespace) -> int:
     # written: an unreachable one is bad input, exit 2 with one line, as for `skiplock run`.
     if args.dsn or os.environ.get(DSN_ENV):
         check_reachable(args.dsn or os.environ[DSN_ENV])
+    if args.lane:
+        return serve_lane(LaneCommand(
+            backend=args.backend, sql_path=args.sql_path, dsn=args.dsn,
+            backend_options=backend_options(args), overrides=overrides, out=args.out,
+            html=not args.no_report))
     base = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     seeds = [base + i for i in range(args.seeds)]
     options = backend_options(args)
@@ -95,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                        backend_options=options,
                        out=args.out, seeds=seeds, scenarios=scenarios, overrides=overrides,
                        report=lambda result: out.print(line(result), soft_wrap=True),
-                       accepted=header, html=not args.no_report)
+                       accepted=header, html=not args.no_report, lanes=args.lanes)
     counts = summary.to_json()["counts"]
     verdict = {0: "[green]PASSED[/]", 1: "[bold red]FAILED: a guarantee was violated[/]",
                2: "[bold red]NOTHING JUDGED: no scenario applies to this backend[/]",

@@ -18,9 +18,11 @@ directories under `OUT/runs/`, each re-judgeable with `skiplock check`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
+import sys
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +32,7 @@ from typing import Any
 
 from skiplock import __version__
 from skiplock.plumbing.errors import HarnessError, Terminated, Unhonoured, UsageError
+from skiplock.scenarios.run.gate_lanes import LaneCommand, Lanes, lane_count
 
 # The suite, in the order it runs. Each entry is a scenario of scenarios/specs/.
 SUITE: tuple[str, ...] = (
@@ -287,41 +290,122 @@ def run_gate(*, backend: str = "pg", sql_path: str | None = None, dsn: str | Non
              overrides: Sequence[str] = (),
              report: Callable[[CaseResult], None] | None = None,
              accepted: Callable[[], None] | None = None,
-             html: bool = True) -> GateSummary:
-    """Run every case and write junit.xml and summary.json, also when interrupted.
+             html: bool = True, lanes: int | None = 1) -> GateSummary:
+    """Run every case and write junit.xml and summary.json, also when interrupted; `lanes`
+    cases at a time (None: one per core, up to two), each lane on a server of its own
+    (`gate_lanes`).
 
     A gate refused as bad input (a plug-in the gate cannot use) is refused before
     `accepted` is called (the caller's header) and before any file is written, so no
     artifact of a refused gate can read as green."""
     summary = GateSummary(backend=backend, sql_path=sql_path, seeds=list(seeds),
                           scenarios=list(scenarios))
+    todo = cases(scenarios, seeds)
+    tally = _Tally(summary, todo, report)
+    count = lane_count(lanes, len(todo))
+    command = LaneCommand(backend=backend, sql_path=sql_path, dsn=dsn,
+                          backend_options=backend_options, overrides=overrides, out=out,
+                          html=html)
+    judge: contextlib.AbstractContextManager[Any] = (
+        Lanes(command, count) if count > 1 else _InProcess(command))
     started = time.monotonic()
-    with gate_server(dsn) as server:
-        check_backend_on(server, backend, sql_path, backend_options)
-        if accepted is not None:
-            accepted()
-        runs = out / "runs"
-        runs.mkdir(parents=True, exist_ok=True)
-        try:
-            for scenario, seed in cases(scenarios, seeds):
-                summary.running = (scenario, seed)
-                result = run_case(scenario, seed, server=server, backend=backend,
-                                  sql_path=sql_path, out=runs, overrides=overrides,
-                                  report=html, backend_options=backend_options)
-                summary.results.append(result)
-                summary.running = None
-                if report is not None:
-                    report(result)
-        except BaseException as exc:
-            # Ctrl-C, SIGTERM, or bad input only a run could find: what was judged is kept,
-            # and the JUnit file says the gate did not finish.
+    entered = False
+    try:
+        with judge as cases_runner:
+            entered = True
+            if accepted is not None:
+                accepted()
+            (out / "runs").mkdir(parents=True, exist_ok=True)
+            cases_runner.run(todo, tally.started, tally.finished)
+    except BaseException as exc:
+        # Ctrl-C, SIGTERM, or bad input only a run could find: what was judged is kept,
+        # and the JUnit file says the gate did not finish.
+        if entered:
             summary.interrupted = True
             summary.stop_code = _exit_code_of(exc)
-            raise
-        finally:
+        raise
+    finally:
+        if entered:
             summary.seconds = time.monotonic() - started
+            tally.sort()
             write_results(out, summary)
     return summary
+
+
+class _Tally:
+    """The summary kept as cases start and end, in any order: `running` is the earliest case
+    under way (what an interrupted gate's JUnit names), results end in the gate's order."""
+
+    def __init__(self, summary: GateSummary, todo: Sequence[tuple[str, int]],
+                 report: Callable[[CaseResult], None] | None) -> None:
+        self._summary = summary
+        self._order = {case: index for index, case in enumerate(todo)}
+        self._in_flight: list[tuple[str, int]] = []
+        self._report = report
+
+    def started(self, case: tuple[str, int]) -> None:
+        self._in_flight.append(case)
+        self._summary.running = min(self._in_flight, key=self._order.__getitem__)
+
+    def finished(self, wired: dict[str, Any]) -> None:
+        result = CaseResult(**wired)
+        with contextlib.suppress(ValueError):
+            self._in_flight.remove((result.scenario, result.seed))
+        self._summary.running = (min(self._in_flight, key=self._order.__getitem__)
+                                 if self._in_flight else None)
+        self._summary.results.append(result)
+        if self._report is not None:
+            self._report(result)
+
+    def sort(self) -> None:
+        last = len(self._order)
+        self._summary.results.sort(key=lambda r: self._order.get((r.scenario, r.seed), last))
+
+
+class _InProcess:
+    """The cases one at a time in this process, on one server for the whole gate."""
+
+    def __init__(self, command: LaneCommand) -> None:
+        self._command = command
+        self._stack = contextlib.ExitStack()
+        self._server: Any = None
+
+    def __enter__(self) -> _InProcess:
+        c = self._command
+        with self._stack:
+            self._server = self._stack.enter_context(gate_server(c.dsn))
+            check_backend_on(self._server, c.backend, c.sql_path, c.backend_options)
+            self._stack = self._stack.pop_all()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._stack.__exit__(*exc_info)
+
+    def run(self, todo: Sequence[tuple[str, int]],
+            on_start: Callable[[tuple[str, int]], None],
+            on_result: Callable[[dict[str, Any]], None]) -> None:
+        for scenario, seed in todo:
+            on_start((scenario, seed))
+            on_result(dataclasses.asdict(self.judge(scenario, seed)))
+
+    def judge(self, scenario: str, seed: int) -> CaseResult:
+        c = self._command
+        return run_case(scenario, seed, server=self._server, backend=c.backend,
+                        sql_path=c.sql_path, out=c.out / "runs", overrides=c.overrides,
+                        report=c.html, backend_options=c.backend_options)
+
+
+def serve_lane(command: LaneCommand) -> int:
+    """`skiplock gate --lane`: judge the cases read from standard input on a server of this
+    lane's own, one result line each on standard output (`gate_lanes`)."""
+    from skiplock.scenarios.run.gate_lanes import cases_from, say, wire
+
+    with _InProcess(command) as lane:
+        say({"accepted": True})
+        (command.out / "runs").mkdir(parents=True, exist_ok=True)
+        for scenario, seed in cases_from(sys.stdin):
+            say(wire(lane.judge(scenario, seed)))
+    return 0
 
 
 def write_results(out: Path, summary: GateSummary) -> None:
