@@ -50,7 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="first seed (default: random, printed so the gate replays)")
     parser.add_argument("--seeds", type=int, default=1,
                         help="how many seeds each scenario runs with (default 1: about"
-                        " three minutes on two cores)")
+                        " a minute and a half on two cores)")
     parser.add_argument("--only", action="append", default=[], metavar="SCENARIO[,...]",
                         help=f"run only these scenarios (the suite: {', '.join(SUITE)})")
     parser.add_argument("--no-recovery", action="store_true",
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     check_dsn(args.dsn)
     if not 1 <= args.seeds <= MAX_SEEDS:
         raise UsageError(f"--seeds must be between 1 and {MAX_SEEDS} (got {args.seeds}); "
-                         "each seed runs every scenario once, about three minutes")
+                         "each seed runs every scenario once, about a minute and a half")
     check_out(args.out)
     check_lanes(args.lanes)
     scenarios = resolve_scenarios(args.only)

@@ -1,8 +1,8 @@
-"""The CI correctness gate: a fixed suite of chaos scenarios over several seeds, one server.
+"""The CI correctness gate: a fixed suite of chaos scenarios over several seeds.
 
 Each scenario in `SUITE` puts pressure where one class of queue bug lives (its spec file
-says which anomalies it can reveal); together they are sized to finish in about three
-minutes on a two-core machine. Every scenario x seed is one full run, judged by the checker
+says which anomalies it can reveal); together they take about two and a half minutes on a
+two-core machine one after another, and a minute and a half in two lanes (`gate_lanes`). Every scenario x seed is one full run, judged by the checker
 from its history; the gate's answer is the worst of them:
 
     1  any run violated a guarantee (a complete history, and an anomaly in it)
