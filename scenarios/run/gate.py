@@ -2,8 +2,9 @@
 
 Each scenario in `SUITE` puts pressure where one class of queue bug lives (its spec file
 says which anomalies it can reveal); together they take about two and a half minutes on a
-two-core machine one after another, and a minute and a half in two lanes (`gate_lanes`). Every scenario x seed is one full run, judged by the checker
-from its history; the gate's answer is the worst of them:
+two-core machine one after another, and a minute and a half in two lanes (`gate_lanes`).
+Every scenario x seed is one full run, judged by the checker from its history; the gate's
+answer is the worst of them:
 
     1  any run violated a guarantee (a complete history, and an anomaly in it)
     4  the harness itself failed on some run (and none violated)
