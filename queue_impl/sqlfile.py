@@ -19,7 +19,8 @@ Blocks (placeholders; optional ones in brackets) and what each must do and retur
 - `schema` (none; run as one script): create `skiplock_now()` (the pinned clock, else
   `statement_timestamp()`), `skiplock_lease_base()` (the pinned clock, else
   `clock_timestamp()`), tables `accounts`, `jobs` (with a check that `target_url` is
-  http(s), and a `received_token`), `job_attempts` (outcomes including `unreceived`),
+  http(s), a `received_token`, and a `limited` flag that triggers keep equal to whether the
+  job's account has a limit), `job_attempts` (outcomes including `unreceived`),
   `fenced_writes` and their indexes if missing; idempotent.
 - `setup_lock` (`lock_key`): take a transaction-level advisory lock (serialises `schema`).
 - `upsert_accounts` (`account_ids`, `limits`): insert accounts or update their
@@ -35,8 +36,9 @@ Blocks (placeholders; optional ones in brackets) and what each must do and retur
   would leave a concurrent claimer none.
 - `claim` (`locked_accounts`, `batch`, `lease`, `worker_id`): a second statement, so its
   snapshot follows the locks: count active jobs per locked account; pick due PENDING and due
-  RETRYING rows `FOR UPDATE SKIP LOCKED` for unlimited accounts or locked ones with free
-  slots; cut to the free slots and to `batch`; set PROCESSING, `attempts + 1`,
+  RETRYING rows `FOR UPDATE SKIP LOCKED` for unlimited accounts (the reference reads those
+  as jobs not `limited`) or locked ones with free slots; cut to the free slots and to
+  `batch`; set PROCESSING, `attempts + 1`,
   `locked_until = skiplock_lease_base() + lease` (counted from when the row is taken, not
   from when the statement began), a fresh `lease_token`, `locked_by`; insert a `job_attempts`
   row; return `id, account_id, target_url, payload, attempts, max_attempts, lease_token,

@@ -57,6 +57,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     -- delivered (its claim's result was lost with the connection, or its worker died before
     -- reading it), so recovery gives its attempt back instead of counting it.
     received_token uuid,
+    -- Whether the job's account has a concurrency limit, kept by the triggers below (set on
+    -- insert, changed with the account's limit): the claim reaches unlimited accounts' due
+    -- jobs through their own partial indexes, never passing over a limited account's backlog.
+    limited boolean NOT NULL DEFAULT false,
     locked_by text,
     last_error text,
     created_at timestamptz NOT NULL DEFAULT skiplock_now(),
@@ -107,6 +111,101 @@ CREATE INDEX IF NOT EXISTS jobs_retrying_by_account ON jobs (account_id, next_at
     WHERE status = 'RETRYING';
 -- Replaced by jobs_pending_by_account (which adds the id, the claim's tie-break).
 DROP INDEX IF EXISTS jobs_pending_account;
+
+-- A schema created before the flag existed gets it, set from each job's account (this script
+-- runs under the setup lock; the triggers below keep it from here on).
+DO $$
+BEGIN
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_attribute
+        WHERE attrelid = 'jobs'::regclass AND attname = 'limited' AND NOT attisdropped
+    ) THEN
+        ALTER TABLE jobs ADD COLUMN limited boolean NOT NULL DEFAULT false;
+        UPDATE jobs AS j SET limited = true
+        FROM accounts AS a
+        WHERE a.id = j.account_id AND a.concurrency_limit IS NOT NULL;
+    END IF;
+END
+$$;
+
+-- Unlimited accounts' due work in claim order: the claim's locked scan for them reads only
+-- these, so a limited account's backlog (the seeds' noisy neighbour) is never walked.
+CREATE INDEX IF NOT EXISTS jobs_pending_unlimited ON jobs (run_at, id)
+    WHERE status = 'PENDING' AND NOT limited;
+CREATE INDEX IF NOT EXISTS jobs_retrying_unlimited ON jobs (next_attempt_at, id)
+    WHERE status = 'RETRYING' AND NOT limited;
+
+-- The flag of a new job, from its account as committed now, whoever inserts it. An enqueue
+-- holds the limits lock shared and a change of limits takes it exclusive, so the two cannot
+-- interleave: a change waits for the enqueues in flight (and then marks their jobs), and an
+-- enqueue that comes after it reads the new limit. (A plain read could miss an account a
+-- concurrent change has just created limited, and flag its job unlimited.) PL/pgSQL runs each
+-- statement on a fresh snapshot, so the read follows the lock. A job whose account does not
+-- exist yet is unlimited: the enqueue creates it so.
+CREATE OR REPLACE FUNCTION skiplock_job_limited() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext(TG_TABLE_SCHEMA), 1);
+    NEW.limited := COALESCE(
+        (SELECT a.concurrency_limit IS NOT NULL FROM accounts AS a WHERE a.id = NEW.account_id),
+        false);
+    RETURN NEW;
+END
+$$;
+
+-- A change of an account's limit between none and some, or a limited account created: take
+-- the limits lock exclusive (waiting for the enqueues in flight), then mark the account's
+-- unfinished jobs to match, on a snapshot taken after the wait.
+CREATE OR REPLACE FUNCTION skiplock_account_limited() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext(TG_TABLE_SCHEMA), 1);
+    IF TG_OP = 'UPDATE' THEN
+        -- One statement per unfinished status, each found through its own partial index.
+        UPDATE jobs SET limited = NEW.concurrency_limit IS NOT NULL
+        WHERE account_id = NEW.id AND status = 'PENDING'
+          AND limited IS DISTINCT FROM (NEW.concurrency_limit IS NOT NULL);
+        UPDATE jobs SET limited = NEW.concurrency_limit IS NOT NULL
+        WHERE account_id = NEW.id AND status = 'RETRYING'
+          AND limited IS DISTINCT FROM (NEW.concurrency_limit IS NOT NULL);
+        UPDATE jobs SET limited = NEW.concurrency_limit IS NOT NULL
+        WHERE account_id = NEW.id AND status = 'PROCESSING'
+          AND limited IS DISTINCT FROM (NEW.concurrency_limit IS NOT NULL);
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+-- Created only where missing: CREATE TRIGGER locks the table against every write, and setup
+-- runs again whenever a worker starts, in the middle of a run.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger
+                   WHERE tgrelid = 'jobs'::regclass AND tgname = 'jobs_limited') THEN
+        CREATE TRIGGER jobs_limited BEFORE INSERT ON jobs
+            FOR EACH ROW EXECUTE FUNCTION skiplock_job_limited();
+    END IF;
+    -- Before the row is written, so a limited account's creation waits for the enqueues in
+    -- flight (one of which may be creating it unlimited: the insert then becomes an update).
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger
+                   WHERE tgrelid = 'accounts'::regclass AND tgname = 'accounts_limited_created')
+    THEN
+        CREATE TRIGGER accounts_limited_created BEFORE INSERT ON accounts
+            FOR EACH ROW WHEN (NEW.concurrency_limit IS NOT NULL)
+            EXECUTE FUNCTION skiplock_account_limited();
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger
+                   WHERE tgrelid = 'accounts'::regclass AND tgname = 'accounts_limited_changed')
+    THEN
+        CREATE TRIGGER accounts_limited_changed AFTER UPDATE OF concurrency_limit ON accounts
+            FOR EACH ROW
+            WHEN ((OLD.concurrency_limit IS NULL) IS DISTINCT FROM (NEW.concurrency_limit IS NULL))
+            EXECUTE FUNCTION skiplock_account_limited();
+    END IF;
+END
+$$;
 
 -- One row per execution (per claim), keyed by its lease token: start, end, outcome, worker.
 CREATE TABLE IF NOT EXISTS job_attempts (
@@ -291,96 +390,25 @@ retrying AS (
         FOR UPDATE OF j SKIP LOCKED
     ) AS r
 ),
--- Unlimited accounts: candidates read without locking (locking every candidate would hold
--- them all until COMMIT, and a concurrent claimer would skip them and find nothing): the
--- oldest four batches of their due jobs. Room for the rows concurrent claimers hold: a fifth
--- claimer at the same instant may come back short, never one of the first four.
--- First from the head of the global due indexes: the oldest 8 batches of every account's
--- due PENDING jobs and of its due RETRYING jobs, read in index order.
-head AS (
-    (SELECT j.id, j.account_id, j.run_at AS due_at, true AS pending
-     FROM jobs AS j
-     WHERE j.status = 'PENDING' AND j.run_at <= skiplock_now()
-     ORDER BY j.run_at, j.id
-     LIMIT 8 * %(batch)s)
-    UNION ALL
-    (SELECT j.id, j.account_id, j.next_attempt_at AS due_at, false AS pending
-     FROM jobs AS j
-     WHERE j.status = 'RETRYING' AND j.next_attempt_at <= skiplock_now()
-     ORDER BY j.next_attempt_at, j.id
-     LIMIT 8 * %(batch)s)
+-- Unlimited accounts' due rows, oldest first, from their own partial indexes
+-- (jobs_pending_unlimited, jobs_retrying_unlimited): a locked scan from the head that passes
+-- over rows other claimers hold. No limited account's job is in those indexes, so however
+-- long a full account's backlog, this reads only rows it may take. A batch of each: the
+-- oldest of both are cut to a batch below, and the rest are unlocked at COMMIT.
+unlimited_pending AS (
+    SELECT j.id, j.account_id, j.run_at AS due_at
+    FROM jobs AS j
+    WHERE j.status = 'PENDING' AND NOT j.limited AND j.run_at <= skiplock_now()
+    ORDER BY j.run_at, j.id
+    LIMIT %(batch)s
+    FOR UPDATE OF j SKIP LOCKED
 ),
--- How far the head is the whole truth: a part cut off at its limit says nothing of the jobs
--- due after its last row, so the head is exact up to the earliest such last row (by due time,
--- then id, the claim's order: most jobs of one enqueue share one due time). No row: neither
--- part was cut, and the head holds every due job.
-horizon AS (
-    SELECT h.due_at, h.id
-    FROM (SELECT due_at, id, pending,
-                 count(*) OVER (PARTITION BY pending) AS rows_read,
-                 row_number() OVER (PARTITION BY pending ORDER BY due_at DESC, id DESC) AS back
-          FROM head) AS h
-    WHERE h.rows_read = 8 * %(batch)s AND h.back = 1
-    ORDER BY h.due_at, h.id
-    LIMIT 1
-),
--- The unlimited accounts' jobs in the head, up to the horizon: exactly their oldest.
-head_candidates AS (
-    SELECT h.id, h.due_at
-    FROM head AS h
-    JOIN accounts AS a ON a.id = h.account_id
-    WHERE a.concurrency_limit IS NULL
-      AND (NOT EXISTS (SELECT FROM horizon)
-           OR (h.due_at, h.id) <= (SELECT z.due_at, z.id FROM horizon AS z))
-    ORDER BY h.due_at, h.id
-    LIMIT 4 * %(batch)s
-),
--- Short of four batches with jobs past the horizon (the head filled with limited accounts'
--- backlogs, the seeds' noisy neighbour): each unlimited account's oldest four batches from
--- its own stretch of the per-account indexes, then the oldest four batches of all of them.
--- Not read otherwise: the work would grow with the number of accounts (1,000 unlimited
--- accounts cost 4,251 buffers a claim this way).
-unlimited_candidates AS (
-    SELECT * FROM head_candidates
-    WHERE NOT EXISTS (SELECT FROM horizon)
-       OR (SELECT count(*) FROM head_candidates) = 4 * %(batch)s
-    UNION ALL
-    (SELECT c.id, c.due_at
-     FROM accounts AS a
-     CROSS JOIN LATERAL (
-         (SELECT j.id, j.run_at AS due_at
-          FROM jobs AS j
-          WHERE j.status = 'PENDING'
-            AND (j.account_id, j.run_at) >= (a.id, '-infinity'::timestamptz)
-            AND (j.account_id, j.run_at) <= (a.id, skiplock_now())
-          ORDER BY j.account_id, j.run_at, j.id
-          LIMIT 4 * %(batch)s)
-         UNION ALL
-         (SELECT j.id, j.next_attempt_at AS due_at
-          FROM jobs AS j
-          WHERE j.status = 'RETRYING'
-            AND (j.account_id, j.next_attempt_at) >= (a.id, '-infinity'::timestamptz)
-            AND (j.account_id, j.next_attempt_at) <= (a.id, skiplock_now())
-          ORDER BY j.account_id, j.next_attempt_at, j.id
-          LIMIT 4 * %(batch)s)
-     ) AS c
-     WHERE a.concurrency_limit IS NULL
-       AND EXISTS (SELECT FROM horizon)
-       AND (SELECT count(*) FROM head_candidates) < 4 * %(batch)s
-     ORDER BY c.due_at, c.id
-     LIMIT 4 * %(batch)s)
-),
--- ... then at most a batch of them locked, oldest first. SKIP LOCKED passes over rows other
--- claimers hold, and the due check is made again on the row as locked (a row another claimer
--- took and committed meanwhile no longer qualifies). It is one CASE, which no index matches,
--- so the planner fetches the few candidates by id rather than scan every due job again.
-unlimited AS (
-    SELECT j.id, j.account_id, c.due_at
-    FROM unlimited_candidates AS c
-    JOIN jobs AS j ON j.id = c.id
-    WHERE CASE j.status WHEN 'PENDING' THEN j.run_at WHEN 'RETRYING' THEN j.next_attempt_at END
-          <= skiplock_now()
-    ORDER BY c.due_at, c.id
+-- Their due RETRYING rows likewise, from jobs_retrying_unlimited.
+unlimited_retrying AS (
+    SELECT j.id, j.account_id, j.next_attempt_at AS due_at
+    FROM jobs AS j
+    WHERE j.status = 'RETRYING' AND NOT j.limited AND j.next_attempt_at <= skiplock_now()
+    ORDER BY j.next_attempt_at, j.id
     LIMIT %(batch)s
     FOR UPDATE OF j SKIP LOCKED
 ),
@@ -389,7 +417,8 @@ ranked AS (
     SELECT c.id, c.account_id, c.due_at,
         row_number() OVER (PARTITION BY c.account_id ORDER BY c.due_at, c.id) AS n
     FROM (SELECT * FROM pending UNION ALL SELECT * FROM retrying
-          UNION ALL SELECT * FROM unlimited) AS c
+          UNION ALL SELECT * FROM unlimited_pending
+          UNION ALL SELECT * FROM unlimited_retrying) AS c
 ),
 -- Cut to the free slots of each limited account, then to the batch, oldest due first.
 picked AS (
@@ -401,6 +430,8 @@ picked AS (
     LIMIT %(batch)s
 ),
 -- Take the leases: attempts + 1, a deadline, and a fresh token that fences every earlier holder.
+-- The rows are found by id through an array: joined to `picked`, whose size a plan made once
+-- for every batch cannot know, the planner hashed it against a scan of the whole table.
 claimed AS (
     UPDATE jobs AS j
     SET status = 'PROCESSING',
@@ -408,10 +439,9 @@ claimed AS (
         locked_until = skiplock_lease_base() + %(lease)s::interval,
         lease_token = gen_random_uuid(),
         locked_by = %(worker_id)s
-    FROM picked AS p
-    WHERE j.id = p.id
+    WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
     RETURNING j.id, j.account_id, j.target_url, j.payload, j.attempts, j.max_attempts,
-        j.lease_token, j.locked_until, j.locked_by, p.due_at
+        j.lease_token, j.locked_until, j.locked_by
 ),
 -- One attempts row per execution, so every delivery stays observable.
 logged AS (
@@ -419,7 +449,7 @@ logged AS (
     SELECT lease_token, id, attempts, locked_by, skiplock_now() FROM claimed
 )
 -- Oldest due first, as they were picked (an UPDATE returns rows in no particular order).
-SELECT * FROM claimed ORDER BY due_at, id;
+SELECT c.* FROM claimed AS c JOIN picked AS p ON p.id = c.id ORDER BY p.due_at, c.id;
 
 -- name: claim_lock_accounts_wait
 -- The pg-for-update variant's step 1: the same accounts as claim_lock_accounts, but it waits

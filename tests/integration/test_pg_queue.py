@@ -316,6 +316,121 @@ def test_account_limits_hold_across_processes(
     assert {s.status for s in queue.snapshot()} == {JobStatus.COMPLETED}
 
 
+def test_limits_changed_while_jobs_arrive_leave_every_job_on_its_accounts_side(
+    queue: PgQueue, pg_dsn: str, fresh_schema: str
+) -> None:
+    """The claim reaches unlimited accounts' jobs through their own indexes, so each job's
+    `limited` flag must follow its account whatever the interleaving: enqueues naming brand
+    new accounts while the same accounts are created limited, and limits set and removed on
+    accounts whose jobs keep arriving. Without the limits lock, a job of an account created
+    limited while its enqueue ran was flagged unlimited, out of reach of the account's limit."""
+    rounds = 60
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def enqueue() -> None:
+        producer = PgQueue(pg_dsn, schema=fresh_schema)
+        try:
+            start.wait()
+            for n in range(rounds):
+                producer.enqueue(jobs_for(f"new-{n}", 3) + jobs_for(f"toggle-{n % 4}", 3))
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+        finally:
+            producer.close()
+
+    def change_limits() -> None:
+        admin = PgQueue(pg_dsn, schema=fresh_schema)
+        try:
+            start.wait()
+            for n in range(rounds):
+                admin.upsert_accounts([
+                    Account(id=f"new-{n}", concurrency_limit=1),
+                    Account(id=f"toggle-{n % 4}", concurrency_limit=None if n % 2 else 2),
+                ])
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            admin.close()
+
+    threads = [threading.Thread(target=enqueue), threading.Thread(target=change_limits)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert errors == []
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        search_path(conn, fresh_schema)
+        wrong = conn.execute(
+            "SELECT j.account_id, j.limited, a.concurrency_limit FROM jobs AS j "
+            "JOIN accounts AS a ON a.id = j.account_id "
+            "WHERE j.limited <> (a.concurrency_limit IS NOT NULL)"
+        ).fetchall()
+        jobs = conn.execute("SELECT count(*) FROM jobs").fetchone()
+    assert jobs == (rounds * 6,)
+    assert wrong == []
+
+
+def _run_aside(conn: psycopg.Connection[Any], statement: str,
+               watch: psycopg.Connection[Any]) -> threading.Thread:
+    """Run `statement` on `conn` (autocommit) in a thread, and return once it has finished
+    or is waiting on a lock: whichever it does, it has done what it does before the wait."""
+    pid = conn.info.backend_pid
+    worker = threading.Thread(target=conn.execute, args=(statement,))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while worker.is_alive() and time.monotonic() < deadline:
+        row = watch.execute(
+            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid]
+        ).fetchone()
+        if row is not None and row[0] == "Lock":
+            break
+        time.sleep(0.02)
+    return worker
+
+
+_INSERT_JOB = ("INSERT INTO jobs (id, account_id, target_url, payload) "
+               "VALUES (gen_random_uuid(), %s, 'http://t/', '{}')")
+_FLAGS = "SELECT DISTINCT limited FROM jobs WHERE account_id = %s"
+
+
+def test_a_job_enqueued_as_its_account_is_created_limited_is_limited(
+    queue: PgQueue, pg_dsn: str, fresh_schema: str
+) -> None:
+    """The account is created limited by a transaction still open when a job for it arrives:
+    the job's insert waits for it and reads the limit (a plain read would not see the
+    uncommitted account, take the job for an unlimited one's, and nothing would correct it)."""
+    with (psycopg.connect(pg_dsn) as admin, psycopg.connect(pg_dsn, autocommit=True) as other,
+          psycopg.connect(pg_dsn, autocommit=True) as watch):
+        search_path(admin, fresh_schema)
+        search_path(other, fresh_schema)
+        admin.execute("INSERT INTO accounts (id, concurrency_limit) VALUES ('late', 2)")
+        insert = _run_aside(other, _INSERT_JOB.replace("%s", "'late'"), watch)
+        admin.commit()
+        insert.join(timeout=30)
+        assert not insert.is_alive()
+        assert other.execute(_FLAGS, ["late"]).fetchall() == [(True,)]
+
+
+def test_a_limit_set_while_an_enqueue_is_open_reaches_its_jobs(
+    queue: PgQueue, pg_dsn: str, fresh_schema: str
+) -> None:
+    """An enqueue still open when the account's limit is set: the change waits for it, then
+    marks its jobs (on a snapshot that did not see them, they would stay unlimited)."""
+    queue.upsert_accounts([Account(id="shifting")])
+    with (psycopg.connect(pg_dsn) as producer, psycopg.connect(pg_dsn, autocommit=True) as admin,
+          psycopg.connect(pg_dsn, autocommit=True) as watch):
+        search_path(producer, fresh_schema)
+        search_path(admin, fresh_schema)
+        producer.execute(_INSERT_JOB, ["shifting"])
+        change = _run_aside(
+            admin, "UPDATE accounts SET concurrency_limit = 3 WHERE id = 'shifting'", watch)
+        producer.commit()
+        change.join(timeout=30)
+        assert not change.is_alive()
+        assert admin.execute(_FLAGS, ["shifting"]).fetchall() == [(True,)]
+
+
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
     # Ends sort before starts at the same instant: touching intervals do not overlap.
     events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])

@@ -91,6 +91,10 @@ class QueueAgreement(RuleBasedStateMachine):
         accounts = [Account(id=a, concurrency_limit=n) for a, n in LIMITS.items()]
         self.pg.upsert_accounts(accounts)
         self.model.upsert_accounts(accounts)
+        self.limits = dict(LIMITS)
+        # The most jobs each limited account may have in flight now: its limit, or more while
+        # the jobs it had in flight when its limit was lowered are still out.
+        self.ceilings = {a: n for a, n in LIMITS.items() if n is not None}
         self.ids = 0
         self.held: list[Pair] = []  # leases not yet written back by their worker
         self.spent: list[Pair] = []  # leases written back or given up: any reuse is stale
@@ -122,6 +126,26 @@ class QueueAgreement(RuleBasedStateMachine):
         ]
         self.pg.enqueue(jobs)
         self.model.enqueue(jobs)
+
+    @rule(account=st.sampled_from(sorted(LIMITS)),
+          limit=st.one_of(st.none(), st.integers(min_value=1, max_value=3)))
+    def set_limit(self, account: str, limit: int | None) -> None:
+        """A limit changed (or removed, or set) with jobs queued and in flight: the claim
+        reaches an account's jobs by whether it is limited, so every job must follow it."""
+        self.pg.upsert_accounts([Account(id=account, concurrency_limit=limit)])
+        self.model.upsert_accounts([Account(id=account, concurrency_limit=limit)])
+        self.limits[account] = limit
+        if limit is None:
+            self.ceilings.pop(account, None)
+        else:
+            self.ceilings[account] = max(limit, self._in_flight().get(account, 0))
+
+    def _in_flight(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for state in self.pg.snapshot():
+            if state.status is JobStatus.PROCESSING:
+                counts[state.account_id] = counts.get(state.account_id, 0) + 1
+        return counts
 
     @rule(worker=st.sampled_from(["w1", "w2", "w3"]), batch=st.integers(1, 4))
     def claim(self, worker: str, batch: int) -> None:
@@ -228,9 +252,20 @@ class QueueAgreement(RuleBasedStateMachine):
             if state.status is JobStatus.PROCESSING:
                 in_flight[state.account_id] = in_flight.get(state.account_id, 0) + 1
                 assert state.locked_until is not None
-        for account, limit in LIMITS.items():
-            if limit is not None:
-                assert in_flight.get(account, 0) <= limit
+        for account, ceiling in self.ceilings.items():
+            count = in_flight.get(account, 0)
+            assert count <= ceiling
+            self.ceilings[account] = max(self.limits[account] or 0, count)
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            mismatched = conn.execute(
+                sql.SQL(
+                    "SELECT count(*) FROM {}.jobs AS j JOIN {}.accounts AS a "
+                    "ON a.id = j.account_id WHERE j.status <> 'COMPLETED' "
+                    "AND j.status <> 'FAILED' "
+                    "AND j.limited <> (a.concurrency_limit IS NOT NULL)"
+                ).format(sql.Identifier(self.schema), sql.Identifier(self.schema))
+            ).fetchone()
+        assert mismatched == (0,), "a job's limited flag disagrees with its account"
 
 
 @pytest.fixture
