@@ -86,7 +86,8 @@ class Role(Enum):
     """One connection per role, so a transaction held by one (the long-tx variant's claim)
     never swallows another's statements."""
 
-    LEASE = "lease"  # claim, finish, renew, release
+    LEASE = "lease"  # claim (and, under pg-long-tx, every write to a lease)
+    WRITE = "write"  # receive, finish, renew, release: alongside the claims, not behind them
     RECOVER = "recover"
     ENQUEUE = "enqueue"
     ADMIN = "admin"  # setup, accounts, snapshot
@@ -149,6 +150,13 @@ class PgQueue:
         if self.receipts:
             return dataclasses.replace(REFERENCE_GUARANTEES, attempts_count="received")
         return REFERENCE_GUARANTEES
+
+    @property
+    def _write_role(self) -> Role:
+        """The connection for writes to held leases: one of their own, so a worker's result
+        writes and receipts go alongside its claims instead of queueing behind them on one
+        connection; under pg-long-tx the claim's own, whose open transaction they close."""
+        return Role.LEASE if self.holds_claims else Role.WRITE
 
     @property
     def holds_claims(self) -> bool:
@@ -420,7 +428,10 @@ class PgQueue:
             else ("claim_lock_accounts_wait", "claim_wait")
         )
         if not hold and self.claim_commit_hook is None:
-            leases = self._claim_pipelined(lock_block, claim_block, worker_id, batch, lease)
+            if skip_locked and self._claim_hands_over:
+                leases = self._claim_one_trip(worker_id, batch, lease)
+            else:
+                leases = self._claim_pipelined(lock_block, claim_block, worker_id, batch, lease)
             if leases:
                 self._after_commit()
             return leases
@@ -466,6 +477,24 @@ class PgQueue:
                 self._drop(Role.LEASE)
             raise
 
+    @property
+    def _claim_hands_over(self) -> bool:
+        """Whether the claim's first statement leaves the ids it locked in the transaction's
+        settings for the second to read (the reference's two blocks do; a SQL file that
+        replaces either is sent the ids, as the contract says)."""
+        return (self._sources["claim_lock_accounts"] == REFERENCE_PATH
+                and self._sources["claim"] == REFERENCE_PATH)
+
+    def _claim_one_trip(self, worker_id: str, batch: int, lease: timedelta) -> list[Lease]:
+        """The claim's two statements and COMMIT in one round trip: the second reads the
+        account locks' ids from the first through the transaction's settings (see the
+        blocks), and still runs after it, on a snapshot taken once those locks are held."""
+        with self._tx(Role.LEASE, pipeline=True) as conn:
+            conn.execute(self._statements["claim_lock_accounts"], {"batch": batch})
+            claim = conn.execute(self._statements["claim"],
+                                 _claim_params(None, batch, lease, worker_id))
+        return [_lease(row) for row in claim.fetchall()]
+
     def _claim_pipelined(self, lock_block: str, claim_block: str, worker_id: str, batch: int,
                          lease: timedelta) -> list[Lease]:
         """The claim's two statements and COMMIT in two round trips instead of four: BEGIN
@@ -498,7 +527,7 @@ class PgQueue:
             return []
         if not self.receipts:
             return [WriteResult.APPLIED] * len(leases)
-        with self._tx(Role.LEASE, pipeline=True) as conn:
+        with self._tx(self._write_role, pipeline=True) as conn:
             marked = conn.execute(self._statements["receive"], _items(leases))
         applied = {row["ord"] for row in marked.fetchall()}
         return _write_results(len(leases), applied)
@@ -506,7 +535,7 @@ class PgQueue:
     def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
         if not results:
             return []
-        with self._tx(Role.LEASE, pipeline=True) as conn:
+        with self._tx(self._write_role, pipeline=True) as conn:
             written = conn.execute(self._statements["finish"], _finish_params(results))
         applied = {row["ord"] for row in written.fetchall()}
         return _write_results(len(results), applied)
@@ -516,7 +545,7 @@ class PgQueue:
             return []
         if extend <= timedelta(0):
             raise ValueError("extend must be positive")
-        with self._tx(Role.LEASE, commit=not self._open_claim) as conn:
+        with self._tx(self._write_role, commit=not self._open_claim) as conn:
             rows = self._run(conn, "renew", {**_items(leases), "extend": extend})
         until = {row["ord"]: row["locked_until"] for row in rows}
         return [
@@ -527,7 +556,7 @@ class PgQueue:
     def release(self, leases: Sequence[Lease]) -> list[WriteResult]:
         if not leases:
             return []
-        with self._tx(Role.LEASE) as conn:
+        with self._tx(self._write_role) as conn:
             applied = {row["ord"] for row in self._run(conn, "release", _items(leases))}
         return _write_results(len(leases), applied)
 
@@ -686,10 +715,11 @@ def _enqueue_params(jobs: Sequence[NewJob]) -> dict[str, Any]:
 
 
 def _claim_params(
-    locked: Sequence[Any], batch: int, lease: timedelta, worker_id: str
+    locked: Sequence[Any] | None, batch: int, lease: timedelta, worker_id: str
 ) -> dict[str, Any]:
-    return {"locked_accounts": list(locked), "batch": batch, "lease": lease,
-            "worker_id": worker_id}
+    """None for `locked`: step 1 hands its ids over in the transaction (`_claim_one_trip`)."""
+    return {"locked_accounts": None if locked is None else list(locked), "batch": batch,
+            "lease": lease, "worker_id": worker_id}
 
 
 def _finish_params(results: Sequence[AttemptResult]) -> dict[str, Any]:

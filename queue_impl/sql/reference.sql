@@ -306,30 +306,41 @@ SELECT pg_notify(%(channel)s, '');
 -- left to it this round, and the next ones in line are locked instead.
 -- NO KEY UPDATE, not UPDATE: claimers still exclude each other, but the KEY SHARE lock that the
 -- jobs -> accounts foreign key takes on every enqueue does not wait behind a claim.
-SELECT a.id
-FROM accounts AS a
--- The account's oldest due PENDING job: one probe of the per-account pending index.
-CROSS JOIN LATERAL (
-    SELECT min(j.run_at) AS due_at
-    FROM jobs AS j
-    WHERE j.status = 'PENDING' AND j.account_id = a.id AND j.run_at <= skiplock_now()
-) AS p
--- Its oldest due RETRYING job, one probe of the per-account retrying index likewise. (Read
--- as one GROUP BY over every due retry, a backlog of 50k retries cost 50k buffers a claim.)
-CROSS JOIN LATERAL (
-    SELECT min(j.next_attempt_at) AS due_at
-    FROM jobs AS j
-    WHERE j.status = 'RETRYING' AND j.account_id = a.id AND j.next_attempt_at <= skiplock_now()
-) AS r
-WHERE a.concurrency_limit IS NOT NULL
-  AND (p.due_at IS NOT NULL OR r.due_at IS NOT NULL)
-  -- Full by this snapshot: only a hint, so full accounts do not use up the cap (the claim
-  -- statement recounts under the lock; an account missed here is taken next round).
-  AND (SELECT count(*) FROM jobs AS j WHERE j.status = 'PROCESSING' AND j.account_id = a.id)
-      < a.concurrency_limit
-ORDER BY LEAST(p.due_at, r.due_at), a.id COLLATE "C"
-LIMIT %(batch)s
-FOR NO KEY UPDATE OF a SKIP LOCKED;
+-- The ids are also left in a transaction-local setting (`skiplock.locked_accounts`) for step
+-- 2 to read, so a claim can send both statements and its COMMIT in one round trip instead of
+-- waiting for this answer first.
+WITH
+-- The accounts this claim takes, locked.
+locked AS MATERIALIZED (
+    SELECT a.id
+    FROM accounts AS a
+    -- The account's oldest due PENDING job: one probe of the per-account pending index.
+    CROSS JOIN LATERAL (
+        SELECT min(j.run_at) AS due_at
+        FROM jobs AS j
+        WHERE j.status = 'PENDING' AND j.account_id = a.id AND j.run_at <= skiplock_now()
+    ) AS p
+    -- Its oldest due RETRYING job, one probe of the per-account retrying index likewise. (Read
+    -- as one GROUP BY over every due retry, a backlog of 50k retries cost 50k buffers a claim.)
+    CROSS JOIN LATERAL (
+        SELECT min(j.next_attempt_at) AS due_at
+        FROM jobs AS j
+        WHERE j.status = 'RETRYING' AND j.account_id = a.id AND j.next_attempt_at <= skiplock_now()
+    ) AS r
+    WHERE a.concurrency_limit IS NOT NULL
+      AND (p.due_at IS NOT NULL OR r.due_at IS NOT NULL)
+      -- Full by this snapshot: only a hint, so full accounts do not use up the cap (the claim
+      -- statement recounts under the lock; an account missed here is taken next round).
+      AND (SELECT count(*) FROM jobs AS j WHERE j.status = 'PROCESSING' AND j.account_id = a.id)
+          < a.concurrency_limit
+    ORDER BY LEAST(p.due_at, r.due_at), a.id COLLATE "C"
+    LIMIT %(batch)s
+    FOR NO KEY UPDATE OF a SKIP LOCKED
+)
+SELECT l.id,
+    set_config('skiplock.locked_accounts', (SELECT array_agg(id)::text FROM locked), true)
+        AS handed_over
+FROM locked AS l;
 
 -- name: claim
 -- Step 2 of a claim, a separate statement in the same transaction. Under READ COMMITTED it
@@ -346,7 +357,11 @@ active AS (
     SELECT a.id AS account_id, a.concurrency_limit - count(j.id) AS free
     FROM accounts AS a
     LEFT JOIN jobs AS j ON j.account_id = a.id AND j.status = 'PROCESSING'
-    WHERE a.id = ANY(%(locked_accounts)s::text[])
+    -- Passed in, or (NULL) handed over by step 1 in the transaction's settings.
+    WHERE a.id = ANY(COALESCE(
+        %(locked_accounts)s::text[],
+        NULLIF(current_setting('skiplock.locked_accounts', true), '')::text[],
+        '{}'))
     GROUP BY a.id, a.concurrency_limit
 ),
 -- What each limited account we locked may take: its free slots (full ones, and those another

@@ -722,11 +722,13 @@ def test_for_update_variant_waits_where_the_reference_skips(
     assert got == [first.id]
 
 
-def wait_until_blocked(queue: PgQueue, watch: psycopg.Connection[Any]) -> None:
-    """Bounded poll until the queue's lease connection waits on a lock."""
+def wait_until_blocked(queue: PgQueue, watch: psycopg.Connection[Any], *,
+                       role: str = "lease") -> None:
+    """Bounded poll until the queue's connection for `role` (claims: "lease"; writes to
+    held leases: "write") waits on a lock."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        pid = queue.backend_pids().get("lease")
+        pid = queue.backend_pids().get(role)
         row = watch.execute(
             "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid]
         ).fetchone()
@@ -885,7 +887,7 @@ def test_finish_locks_its_rows_in_id_order_whatever_the_batch_order(
             writer.snapshot()  # opens its connections before the race
             finisher.start()
             try:
-                wait_until_blocked(writer, watch)
+                wait_until_blocked(writer, watch, role="write")
                 with pytest.raises(psycopg.errors.LockNotAvailable):
                     probe.execute(
                         "SELECT id FROM jobs WHERE id = %s FOR UPDATE NOWAIT", [low.job_id]
