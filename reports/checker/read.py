@@ -299,11 +299,21 @@ def _parse_csv_slow(path: Path, data: bytes, names: Sequence[str],
     return rows, numbers
 
 
+# The rows a string column's first values are sampled over, to tell a column of few
+# distinct values from one of nearly all distinct (a lease token per delivery).
+_SAMPLE_ROWS = 4096
+
+
 def _strings(column: pa.ChunkedArray) -> np.ndarray:
-    """An Arrow string column (of few distinct values) as an object array of str / None,
-    through its dictionary so that each string object is made once."""
+    """An Arrow string column as an object array of str / None. A column of few distinct
+    values (accounts, workers, kinds) goes through its dictionary, so that each string object
+    is made once; a column of mostly distinct values (lease tokens) is converted directly:
+    through a dictionary as large as the column, 1M lease tokens took 0.70 s against 0.08."""
     if len(column) == 0:
         return np.empty(0, dtype=object)
+    sample = column.slice(0, _SAMPLE_ROWS)
+    if pc.count_distinct(sample).as_py() * 2 > len(sample):
+        return cast(np.ndarray, column.to_numpy(zero_copy_only=False))
     encoded = column.combine_chunks().dictionary_encode()
     labels = np.append(encoded.dictionary.to_numpy(zero_copy_only=False), np.array([None]))
     codes = encoded.indices.fill_null(len(labels) - 1).to_numpy()
