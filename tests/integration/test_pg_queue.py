@@ -491,7 +491,16 @@ def test_long_tx_crash_rolls_the_claim_back(queue: PgQueue, pg_dsn: str, fresh_s
     # While the transaction is open, the claim is invisible and its rows are skipped.
     assert {s.status for s in queue.snapshot()} == {JobStatus.PENDING}
     assert queue.claim("other", 3, LEASE) == []
+    session = holder.backend_pids()["lease"]
     holder.close()  # the process dies: its open transaction rolls back
+    # The server ends that session (and releases its row locks) a moment after the socket
+    # closes; until then a claim skips the rows it still locks.
+    with psycopg.connect(pg_dsn, autocommit=True) as watch:
+        deadline = time.monotonic() + 10
+        while watch.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s",
+                            [session]).fetchone() is not None:
+            assert time.monotonic() < deadline, "the closed session never ended"
+            time.sleep(0.01)
     assert {(s.status, s.attempts) for s in queue.snapshot()} == {(JobStatus.PENDING, 0)}
     assert len(queue.claim("other", 3, LEASE)) == 3
 
