@@ -86,8 +86,7 @@ class Role(Enum):
     """One connection per role, so a transaction held by one (the long-tx variant's claim)
     never swallows another's statements."""
 
-    LEASE = "lease"  # claim (and, under pg-long-tx, every write to a lease)
-    WRITE = "write"  # receive, finish, renew, release: alongside the claims, not behind them
+    LEASE = "lease"  # claim, receive, finish, renew, release
     RECOVER = "recover"
     ENQUEUE = "enqueue"
     ADMIN = "admin"  # setup, accounts, snapshot
@@ -150,13 +149,6 @@ class PgQueue:
         if self.receipts:
             return dataclasses.replace(REFERENCE_GUARANTEES, attempts_count="received")
         return REFERENCE_GUARANTEES
-
-    @property
-    def _write_role(self) -> Role:
-        """The connection for writes to held leases: one of their own, so a worker's result
-        writes and receipts go alongside its claims instead of queueing behind them on one
-        connection; under pg-long-tx the claim's own, whose open transaction they close."""
-        return Role.LEASE if self.holds_claims else Role.WRITE
 
     @property
     def holds_claims(self) -> bool:
@@ -527,7 +519,7 @@ class PgQueue:
             return []
         if not self.receipts:
             return [WriteResult.APPLIED] * len(leases)
-        with self._tx(self._write_role, pipeline=True) as conn:
+        with self._tx(Role.LEASE, pipeline=True) as conn:
             marked = conn.execute(self._statements["receive"], _items(leases))
         applied = {row["ord"] for row in marked.fetchall()}
         return _write_results(len(leases), applied)
@@ -535,7 +527,7 @@ class PgQueue:
     def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
         if not results:
             return []
-        with self._tx(self._write_role, pipeline=True) as conn:
+        with self._tx(Role.LEASE, pipeline=True) as conn:
             written = conn.execute(self._statements["finish"], _finish_params(results))
         applied = {row["ord"] for row in written.fetchall()}
         return _write_results(len(results), applied)
@@ -545,7 +537,7 @@ class PgQueue:
             return []
         if extend <= timedelta(0):
             raise ValueError("extend must be positive")
-        with self._tx(self._write_role, commit=not self._open_claim) as conn:
+        with self._tx(Role.LEASE, commit=not self._open_claim) as conn:
             rows = self._run(conn, "renew", {**_items(leases), "extend": extend})
         until = {row["ord"]: row["locked_until"] for row in rows}
         return [
@@ -556,7 +548,7 @@ class PgQueue:
     def release(self, leases: Sequence[Lease]) -> list[WriteResult]:
         if not leases:
             return []
-        with self._tx(self._write_role) as conn:
+        with self._tx(Role.LEASE) as conn:
             applied = {row["ord"] for row in self._run(conn, "release", _items(leases))}
         return _write_results(len(leases), applied)
 

@@ -298,8 +298,7 @@ def _print_summary(queue: PhaseResult, ceiling: PhaseResult, ratio: float | None
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         _say("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
-    _say("latency: one cycle = claim a batch (one transaction) until its results are written"
-         " (another, on a second connection, alongside the next claim)")
+    _say("latency: one cycle = claim a batch (one transaction) + finish it (another)")
     _say(f"ratio queue/ceiling: {'-' if ratio is None else f'{ratio:.2f}'}")
     if ratio is not None and ratio > 1:
         _say(CEILING_BEATEN)
@@ -464,76 +463,51 @@ def _queue_worker(
     start_at: Any,
     progress: Any,
 ) -> None:
-    """One benchmark worker process: its own queue and connections, opened here, after the
-    fork. Claims and writes results until the shared deadline (`_drain`), then writes its
-    figures to a file."""
+    """One benchmark worker process: its own queue and connection, opened here, after the
+    fork. Claims and finishes until the shared deadline, then writes its figures to a file."""
     from skiplock.queue_impl.interface import AttemptResult, Outcome
     from skiplock.queue_impl.pg import PgQueue
 
     # Ctrl-C is the parent's to handle: it stops every worker and the server in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     queue = PgQueue(dsn, schema=schema)
+    worker_id = f"bench-{index}"
     try:
         # Connect and run each statement once before the clock starts (not counted).
-        warm = queue.claim(f"bench-{index}", 1, LEASE)
+        warm = queue.claim(worker_id, 1, LEASE)
         queue.finish([AttemptResult(lease=lease, outcome=Outcome.SUCCESS) for lease in warm])
         ready.release()
         go.wait()
-        figures = _drain(queue, f"bench-{index}", batch, start_at.value,
-                         lambda jobs: progress.__setitem__(index, jobs))
-        Path(out_path).write_text(json.dumps(figures))
-    finally:
-        queue.close()
-
-
-def _drain(queue: Any, worker_id: str, batch: int, deadline: float,
-           report: Callable[[int], None]) -> dict[str, Any]:
-    """Claim until `deadline` while a thread of this worker writes the results of the batch
-    before, as the dispatcher does (claims on one connection, result writes on another, each
-    waiting on its own commit). At most one claimed batch waits for its write while the next
-    is claimed: results are written in claim order, and a slow write holds the claims back."""
-    import queue as queues
-    import threading
-
-    from skiplock.queue_impl.interface import AttemptResult, Lease, Outcome
-
-    claimed: queues.Queue[tuple[float, list[Lease]] | None] = queues.Queue(maxsize=1)
-    figures: dict[str, Any] = {"jobs": 0, "cycles": [], "claims": [], "ran_dry": False}
-    failure: list[BaseException] = []
-
-    def write_results() -> None:
-        try:
-            while (item := claimed.get()) is not None:
-                t0, leases = item
-                queue.finish([AttemptResult(lease=lease, outcome=Outcome.SUCCESS,
-                                            http_status=200) for lease in leases])
-                figures["cycles"].append((time.perf_counter() - t0) * 1000)
-                figures["jobs"] += len(leases)
-                report(figures["jobs"])
-        except BaseException as exc:  # raised again in the worker's main thread
-            failure.append(exc)
-            # Keep taking batches until the end, so the claiming thread never blocks on a
-            # full hand-over.
-            while claimed.get() is not None:
-                pass
-
-    writer = threading.Thread(target=write_results, name="results", daemon=True)
-    writer.start()
-    try:
-        while time.monotonic() < deadline and not failure:
+        deadline = start_at.value
+        cycles: list[float] = []
+        claims: list[float] = []
+        jobs = 0
+        ran_dry = False
+        now = time.monotonic()
+        while now < deadline:
             t0 = time.perf_counter()
             leases = queue.claim(worker_id, batch, LEASE)
+            t1 = time.perf_counter()
             if not leases:
-                figures["ran_dry"] = True
+                ran_dry = True
                 break
-            figures["claims"].append((time.perf_counter() - t0) * 1000)
-            claimed.put((t0, leases))
+            queue.finish(
+                [
+                    AttemptResult(lease=lease, outcome=Outcome.SUCCESS, http_status=200)
+                    for lease in leases
+                ]
+            )
+            t2 = time.perf_counter()
+            claims.append((t1 - t0) * 1000)
+            cycles.append((t2 - t0) * 1000)
+            jobs += len(leases)
+            progress[index] = jobs
+            now = time.monotonic()
+        Path(out_path).write_text(
+            json.dumps({"jobs": jobs, "cycles": cycles, "claims": claims, "ran_dry": ran_dry})
+        )
     finally:
-        claimed.put(None)
-        writer.join()
-    if failure:
-        raise failure[0]
-    return figures
+        queue.close()
 
 
 def queue_phase(dsn: str, schema: str, params: Params) -> PhaseResult:

@@ -896,7 +896,7 @@ def test_finish_locks_its_rows_in_id_order_whatever_the_batch_order(
             writer.snapshot()  # opens its connections before the race
             finisher.start()
             try:
-                wait_until_blocked(writer, watch, role="write")
+                wait_until_blocked(writer, watch)
                 with pytest.raises(psycopg.errors.LockNotAvailable):
                     probe.execute(
                         "SELECT id FROM jobs WHERE id = %s FOR UPDATE NOWAIT", [low.job_id]
