@@ -379,12 +379,8 @@ def _run_aside(conn: psycopg.Connection[Any], statement: str,
     worker = threading.Thread(target=conn.execute, args=(statement,))
     worker.start()
     deadline = time.monotonic() + 30
-    while worker.is_alive() and time.monotonic() < deadline:
-        row = watch.execute(
-            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid]
-        ).fetchone()
-        if row is not None and row[0] == "Lock":
-            break
+    while (worker.is_alive() and time.monotonic() < deadline
+           and not _waits_on_a_lock(watch, pid)):
         time.sleep(0.02)
     return worker
 
@@ -731,17 +727,18 @@ def test_for_update_variant_waits_where_the_reference_skips(
     assert got == [first.id]
 
 
-def wait_until_blocked(queue: PgQueue, watch: psycopg.Connection[Any], *,
-                       role: str = "lease") -> None:
-    """Bounded poll until the queue's connection for `role` (claims: "lease"; writes to
-    held leases: "write") waits on a lock."""
+def _waits_on_a_lock(watch: psycopg.Connection[Any], pid: int | None) -> bool:
+    row = watch.execute(
+        "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid]
+    ).fetchone()
+    return row is not None and row[0] == "Lock"
+
+
+def wait_until_blocked(queue: PgQueue, watch: psycopg.Connection[Any]) -> None:
+    """Bounded poll until the queue's lease connection waits on a lock."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        pid = queue.backend_pids().get(role)
-        row = watch.execute(
-            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid]
-        ).fetchone()
-        if row is not None and row[0] == "Lock":
+        if _waits_on_a_lock(watch, queue.backend_pids().get("lease")):
             return
         time.sleep(0.02)
     raise AssertionError("the queue's statement never waited on the lock")
