@@ -413,6 +413,10 @@ class _Embedded(_Control):
         )
 
     def start(self) -> None:
+        if self.run_as.uid is not None:
+            # Again at every start, a restart too: something else may have closed a parent
+            # since (pytest sets its own temporary root back to 0o700 each time it starts).
+            _make_traversable(self.root.parent)
         last_error = "not started"
         for _ in range(3):
             # A free port can be taken between probing and binding; pick again if so.

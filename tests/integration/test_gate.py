@@ -119,6 +119,14 @@ def test_gate_fails_the_naive_queue_with_junit_naming_the_anomaly(tmp_path: Path
     assert ">VIOLATED</span>" in (run_dir / "report.html").read_text()
 
 
+def _inner_pytest(folder: Path) -> list[str]:
+    """A pytest run inside this one, with a temporary root of its own: at its start pytest
+    sets the shared one (`pytest-of-<user>`) back to 0o700, which shuts an embedded server
+    running as its own account out of the folders of tests running beside it."""
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
+            str(folder), "--basetemp", str(folder / "basetemp")]
+
+
 @pytest.mark.chaos
 def test_the_pytest_plugin_gates_a_queue_inside_a_test_suite(tmp_path: Path) -> None:
     (tmp_path / "test_queue.py").write_text(textwrap.dedent("""
@@ -128,8 +136,7 @@ def test_the_pytest_plugin_gates_a_queue_inside_a_test_suite(tmp_path: Path) -> 
     """))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
-         str(tmp_path), "--skiplock-backend", "pg-naive", "--skiplock-only",
+        [*_inner_pytest(tmp_path), "--skiplock-backend", "pg-naive", "--skiplock-only",
          "noisy-neighbour", "--skiplock-seed", "1", "--skiplock-out", str(tmp_path / "g")],
         cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False, env=env,
     )
@@ -193,8 +200,8 @@ def test_the_pytest_plugin_refuses_bad_sql_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "broken.sql").write_text("SELECT 1;\n")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
-         str(tmp_path), "--skiplock-sql", "broken.sql", "--skiplock-only", "noisy-neighbour"],
+        [*_inner_pytest(tmp_path), "--skiplock-sql", "broken.sql", "--skiplock-only",
+         "noisy-neighbour"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False, env=env,
     )
     assert done.returncode == 4, done.stdout[-2000:]  # pytest's usage error, not a failure

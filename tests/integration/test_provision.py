@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -140,3 +141,18 @@ def test_fresh_database_is_empty_and_dropped_afterwards(pg_dsn: str) -> None:
             "SELECT count(*) FROM pg_database WHERE datname = %s", [name]
         ).fetchone()
     assert gone == (0,)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the server runs as an account of its own "
+                    "only when the harness runs as root")
+def test_a_restart_reopens_a_parent_folder_closed_since_the_start(
+    monkeypatch: pytest.MonkeyPatch, harness_tmp: Any,
+) -> None:
+    # What a pytest starting beside this one does to its temporary root: 0o700 again.
+    monkeypatch.delenv(DSN_ENV, raising=False)
+    with postgres(durable=False, docker_probe=lambda: False) as server:
+        first_pid, _ = _postmaster(server)
+        harness_tmp.path.chmod(0o700)
+        server.restart("immediate")
+        second_pid, _ = _postmaster(server)
+        assert second_pid != first_pid
