@@ -219,7 +219,8 @@ async def _deliver(dsn: str, target_url: str, batch: int, duration: float, event
                 await asyncio.sleep(0.005)
             asyncio.get_running_loop().call_later(duration, manager.shutdown.set)
             try:
-                await manager.run(**_in_flight_per_process(batch),
+                per_dequeue, in_flight = _in_flight_per_process(batch)
+                await manager.run(batch_size=per_dequeue, max_concurrent_tasks=in_flight,
                                   mode=QueueExecutionMode.continuous,
                                   dequeue_timeout=timedelta(seconds=1),
                                   log_aggregation_interval=timedelta(0))
@@ -227,14 +228,15 @@ async def _deliver(dsn: str, target_url: str, batch: int, duration: float, event
                 await conn.close()
 
 
-def _in_flight_per_process(batch: int) -> dict[str, int]:
-    """`batch` jobs in flight in each process, as the dispatcher's slots: pgqueuer's cap of
-    its own per worker (`max_concurrent_tasks`, at least twice its dequeue batch), not an
-    entrypoint's `concurrency_limit`, which is one limit shared by every worker (20 in all
-    for two processes, and a count of the whole table's picked rows on every dequeue: 81
-    jobs/s end to end at 20 ms of server CPU per job, measured so)."""
+def _in_flight_per_process(batch: int) -> tuple[int, int]:
+    """(batch_size, max_concurrent_tasks): `batch` jobs in flight in each process, as the
+    dispatcher's slots. pgqueuer's cap of its own per worker (`max_concurrent_tasks`, at
+    least twice its dequeue batch), not an entrypoint's `concurrency_limit`, which is one
+    limit shared by every worker (20 in all for two processes, and a count of the whole
+    table's picked rows on every dequeue: 81 jobs/s end to end at 20 ms of server CPU per
+    job, measured so)."""
     per_dequeue = max(1, batch // 2)
-    return {"batch_size": per_dequeue, "max_concurrent_tasks": max(batch, 2 * per_dequeue)}
+    return per_dequeue, max(batch, 2 * per_dequeue)
 
 
 def _deliver_worker(dsn: str, target_url: str, batch: int, duration: float, events_path: str,

@@ -60,15 +60,17 @@ def test_pgbench_script_runs_the_reference_statements() -> None:
     assert "FOR UPDATE OF j SKIP LOCKED" in script
     assert ("j.lease_token = r.lease_token\n      AND CASE j.status WHEN 'PROCESSING' THEN true END"
             in script)
-    # Every variable the finish reads is one the claim's handover sets.
-    finish = script.split("\\gset", 1)[1]
-    handed_over = set(re.findall(r" AS (\w+),", script.split("\\gset", 1)[0]))
+    # One transaction a cycle, as PgQueue's finish_and_claim: the finish, then the claim.
+    assert script.count("BEGIN;") == 1 and script.count("COMMIT;") == 1
+    finish, claim = script.split("SELECT ord FROM applied;", 1)
+    assert "SKIP LOCKED" not in finish and "\\gset" in claim
+    # Every variable the finish reads is one the claim hands over, and one the first cycle
+    # is given empty.
+    handed_over = set(re.findall(r" AS (\w+),", claim))
     used = set(re.findall(r":(\w+)::", finish))
     assert used, "the finish reads no variables"
     assert used <= handed_over
-    # Two transactions per cycle, as PgQueue does it.
-    assert script.count("BEGIN;") == 2
-    assert script.count("COMMIT;") == 2
+    assert used <= set(bench_queue.PGBENCH_FIRST)
 
 
 def test_percentile_picks_from_the_sorted_values() -> None:
@@ -128,3 +130,13 @@ def test_a_queue_above_its_ceiling_is_explained(
     out = capsys.readouterr().out
     assert f"ratio queue/ceiling: {queue_rate / 1000:.2f}" in out
     assert (bench_queue.CEILING_BEATEN in out) is explained
+
+
+@pytest.mark.parametrize(("batch", "expected"), [(20, (10, 20)), (7, (3, 7)), (1, (1, 2))])
+def test_pgqueuer_holds_a_batch_in_flight_per_process(batch: int,
+                                                      expected: tuple[int, int]) -> None:
+    from skiplock.scenarios.bench.pgqueuer import _in_flight_per_process
+
+    per_dequeue, in_flight = _in_flight_per_process(batch)
+    assert (per_dequeue, in_flight) == expected
+    assert in_flight >= 2 * per_dequeue  # pgqueuer refuses less
