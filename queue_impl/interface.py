@@ -322,6 +322,22 @@ class ConfirmsReceipt(Protocol):
 
 
 @runtime_checkable
+class FinishesWhileClaiming(Protocol):
+    """An optional capability: a worker's results and its next claim written together, in
+    one transaction and one round trip where the queue can (one commit instead of two), as
+    a worker that finishes a batch and claims the next does. The writes are the same as
+    `finish` then `claim`: each result applied only where its lease still holds, each lease
+    taken only from due work. After an error the outcome of both is unknown, as it is for
+    either alone: the results may have been written (a resend of them is fenced) and a
+    claim may have committed (its leases expire)."""
+
+    def finish_and_claim(
+        self, results: Sequence[AttemptResult], worker_id: str, batch: int, lease: timedelta
+    ) -> tuple[list[WriteResult], list[Lease]]:
+        """`finish(results)`'s answer, then `claim(worker_id, batch, lease)`'s."""
+
+
+@runtime_checkable
 class RunsOwnWorker(Protocol):
     """An optional capability: the queue brings its own consumer loop (BullMQ's `Worker`,
     pgqueuer's `QueueManager`, ...), run in each worker process instead of skiplock's

@@ -470,6 +470,13 @@ class PgQueue:
             raise
 
     @property
+    def _claims_in_one_trip(self) -> bool:
+        """Whether `claim` is the one-trip claim: the `pg` variant, the reference's two
+        claim blocks, no hook inside the claim's transaction."""
+        return (self.variant == "pg" and self.claim_commit_hook is None
+                and self._claim_hands_over)
+
+    @property
     def _claim_hands_over(self) -> bool:
         """Whether the claim's first statement leaves the ids it locked in the transaction's
         settings for the second to read (the reference's two blocks do; a SQL file that
@@ -531,6 +538,32 @@ class PgQueue:
             written = conn.execute(self._statements["finish"], _finish_params(results))
         applied = {row["ord"] for row in written.fetchall()}
         return _write_results(len(results), applied)
+
+    def finish_and_claim(
+        self, results: Sequence[AttemptResult], worker_id: str, batch: int, lease: timedelta
+    ) -> tuple[list[WriteResult], list[Lease]]:
+        """The results and the next claim in one transaction and one round trip (see
+        `FinishesWhileClaiming`): the finish first, so its rows' locks are taken before the
+        claim's and the slots it frees are counted by the claim's fresh snapshot. Where a
+        claim is not the reference's one-trip claim (another variant, a hook inside it, a SQL
+        file that replaces a step), the two go one after the other, as `finish` and
+        `claim`."""
+        if batch <= 0:
+            raise ValueError("batch must be positive")
+        if lease <= timedelta(0):
+            raise ValueError("lease must be positive")
+        if not results or not self._claims_in_one_trip:
+            return self.finish(results), self.claim(worker_id, batch, lease)
+        with self._tx(Role.LEASE, pipeline=True) as conn:
+            written = conn.execute(self._statements["finish"], _finish_params(results))
+            conn.execute(self._statements["claim_lock_accounts"], {"batch": batch})
+            claim = conn.execute(self._statements["claim"],
+                                 _claim_params(None, batch, lease, worker_id))
+        applied = {row["ord"] for row in written.fetchall()}
+        leases = [_lease(row) for row in claim.fetchall()]
+        if leases:
+            self._after_commit()
+        return _write_results(len(results), applied), leases
 
     def renew(self, leases: Sequence[Lease], extend: timedelta) -> list[Lease | None]:
         if not leases:

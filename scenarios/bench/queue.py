@@ -298,7 +298,7 @@ def _print_summary(queue: PhaseResult, ceiling: PhaseResult, ratio: float | None
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         _say("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
-    _say("latency: one cycle = claim a batch (one transaction) + finish it (another)")
+    _say("latency: one cycle = finish the batch in hand and claim the next (one transaction)")
     _say(f"ratio queue/ceiling: {'-' if ratio is None else f'{ratio:.2f}'}")
     if ratio is not None and ratio > 1:
         _say(CEILING_BEATEN)
@@ -441,11 +441,15 @@ def drop_schemas(dsn: str, schemas: Sequence[str]) -> None:
 
 
 def _pending(dsn: str, schema: str) -> int:
+    return _with_status(dsn, schema, "PENDING")
+
+
+def _with_status(dsn: str, schema: str, status: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        query = sql.SQL("SELECT count(*) FROM {}.jobs WHERE status = 'PENDING'").format(
+        query = sql.SQL("SELECT count(*) FROM {}.jobs WHERE status = %s").format(
             sql.Identifier(schema)
         )
-        row = conn.execute(query).fetchone()
+        row = conn.execute(query, (status,)).fetchone()
     return int(row[0]) if row else 0
 
 
@@ -464,48 +468,48 @@ def _queue_worker(
     progress: Any,
 ) -> None:
     """One benchmark worker process: its own queue and connection, opened here, after the
-    fork. Claims and finishes until the shared deadline, then writes its figures to a file."""
-    from skiplock.queue_impl.interface import AttemptResult, Outcome
+    fork. Until the shared deadline, each cycle writes the batch in hand and claims the next
+    in one transaction (`finish_and_claim`), as a worker that finishes a batch and takes the
+    next does; then it finishes what it holds and writes its figures to a file. A job counts
+    once its result is written inside the window."""
+    from skiplock.queue_impl.interface import AttemptResult, Outcome, WriteResult
     from skiplock.queue_impl.pg import PgQueue
 
     # Ctrl-C is the parent's to handle: it stops every worker and the server in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     queue = PgQueue(dsn, schema=schema)
     worker_id = f"bench-{index}"
+
+    def succeeded(leases: list[Any]) -> list[AttemptResult]:
+        return [AttemptResult(lease=lease, outcome=Outcome.SUCCESS, http_status=200)
+                for lease in leases]
+
     try:
         # Connect and run each statement once before the clock starts (not counted).
-        warm = queue.claim(worker_id, 1, LEASE)
-        queue.finish([AttemptResult(lease=lease, outcome=Outcome.SUCCESS) for lease in warm])
+        _, warm = queue.finish_and_claim([], worker_id, 1, LEASE)
+        queue.finish_and_claim(succeeded(warm), worker_id, 1, LEASE)
         ready.release()
         go.wait()
         deadline = start_at.value
         cycles: list[float] = []
-        claims: list[float] = []
         jobs = 0
+        held: list[Any] = []
         ran_dry = False
         now = time.monotonic()
         while now < deadline:
             t0 = time.perf_counter()
-            leases = queue.claim(worker_id, batch, LEASE)
-            t1 = time.perf_counter()
-            if not leases:
+            written, held = queue.finish_and_claim(succeeded(held), worker_id, batch, LEASE)
+            cycles.append((time.perf_counter() - t0) * 1000)
+            jobs += written.count(WriteResult.APPLIED)
+            progress[index] = jobs
+            if not held:
                 ran_dry = True
                 break
-            queue.finish(
-                [
-                    AttemptResult(lease=lease, outcome=Outcome.SUCCESS, http_status=200)
-                    for lease in leases
-                ]
-            )
-            t2 = time.perf_counter()
-            claims.append((t1 - t0) * 1000)
-            cycles.append((t2 - t0) * 1000)
-            jobs += len(leases)
-            progress[index] = jobs
             now = time.monotonic()
-        Path(out_path).write_text(
-            json.dumps({"jobs": jobs, "cycles": cycles, "claims": claims, "ran_dry": ran_dry})
-        )
+        # Past the deadline: what is still held is written, not counted.
+        queue.finish(succeeded(held))
+        Path(out_path).write_text(json.dumps({"jobs": jobs, "cycles": cycles,
+                                              "ran_dry": ran_dry}))
     finally:
         queue.close()
 
@@ -539,7 +543,6 @@ def queue_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
         figures = [json.loads(Path(path).read_text()) for path in outs]
     jobs = sum(f["jobs"] for f in figures)
     cycles = sorted(c for f in figures for c in f["cycles"])
-    claims = sorted(c for f in figures for c in f["claims"])
     seconds = params.duration
     return PhaseResult(
         jobs=jobs,
@@ -550,9 +553,8 @@ def queue_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
         cycle_p99_ms=percentile(cycles, 0.99),
         ran_dry=any(f["ran_dry"] for f in figures),
         extra={
-            "claim_p50_ms": percentile(claims, 0.50),
-            "claim_p99_ms": percentile(claims, 0.99),
-            "driver": "skiplock.queue_impl.pg.PgQueue (variant pg), multiprocess fork",
+            "driver": "skiplock.queue_impl.pg.PgQueue (variant pg), finish_and_claim, "
+                      "multiprocess fork",
         },
     )
 
@@ -569,9 +571,12 @@ def _block_sql(text: str) -> str:
 
 
 def pgbench_script(statements: Mapping[str, str]) -> str:
-    """The reference claim and finish as a pgbench script: the statements unchanged except
-    that placeholders become pgbench variables and the claim's final SELECT hands the claimed
-    rows to the finish as arrays (`\\gset`), as PgQueue hands them over in Python."""
+    """The reference claim and finish as a pgbench script, one transaction a cycle as
+    PgQueue's `finish_and_claim`: the finish of the rows the client's previous cycle claimed,
+    then the claim. The statements are unchanged except that placeholders become pgbench
+    variables and the claim's final SELECT hands the claimed rows to the next cycle's finish
+    as arrays (`\\gset`: a client's variables outlive its transaction; `PGBENCH_FIRST`
+    gives the first cycle nothing to finish)."""
     lock = _block_sql(statements["claim_lock_accounts"])
     claim = _block_sql(statements["claim"])
     finish = _block_sql(statements["finish"])
@@ -606,15 +611,18 @@ def pgbench_script(statements: Mapping[str, str]) -> str:
     return "\n".join(
         [
             "BEGIN;",
+            finish + ";",
             lock + ";",
             claim.replace(":locked_accounts", "'{}'") + " \\gset",
-            "COMMIT;",
-            "BEGIN;",
-            finish + ";",
             "COMMIT;",
             "",
         ]
     )
+
+
+# The variables the claim's hand-over sets, empty for a client's first finish.
+PGBENCH_FIRST = ("ords", "job_ids", "lease_tokens", "attempts", "workers", "outcomes",
+                 "http_statuses", "errors", "retry_delays", "finished_ats")
 
 
 def _pg_env(dsn: str, schema: str) -> dict[str, str]:
@@ -646,6 +654,7 @@ def _pgbench_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
 
     pgbench = pg_binary("pgbench")
     before = _pending(dsn, schema)
+    completed_before = _with_status(dsn, schema, "COMPLETED")
     duration = max(1, round(params.duration))
     with tempfile.TemporaryDirectory(prefix="skiplock-pgbench-") as tmp:
         script = Path(tmp) / "claim_finish.sql"
@@ -664,6 +673,7 @@ def _pgbench_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
             f"--define=batch={params.batch}",
             f"--define=lease={int(LEASE.total_seconds())} seconds",
             "--define=worker_id=pgbench",
+            *(f"--define={name}={{}}" for name in PGBENCH_FIRST),
         ]
         _say(f"pgbench: {params.workers} clients, {duration} s, the reference claim + finish")
         proc = subprocess.Popen(
@@ -688,6 +698,8 @@ def _pgbench_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
         latencies = sorted(_read_pgbench_logs(Path(tmp)))
     after = _pending(dsn, schema)
     jobs = before - after
+    # Jobs the ceiling claimed, of which all but each client's last batch were finished.
+    finished = _with_status(dsn, schema, "COMPLETED") - completed_before
     return PhaseResult(
         jobs=jobs,
         cycles=len(latencies),
@@ -699,6 +711,7 @@ def _pgbench_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
         extra={
             "driver": "pgbench --protocol=prepared, statements from queue_impl/sql/reference.sql",
             "pgbench_summary": [ln for ln in output if not ln.startswith("progress:")][-12:],
+            "finished": finished,
         },
     )
 

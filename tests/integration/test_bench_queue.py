@@ -49,6 +49,8 @@ def test_bench_queue_writes_a_self_describing_result(pg_dsn: str, tmp_path: Path
         assert doc[phase]["jobs"] > 0, f"{phase} completed no job"
         assert doc[phase]["cycles"] > 0
         assert doc[phase]["cycle_p50_ms"] <= doc[phase]["cycle_p99_ms"]
+    # The ceiling's finishes were applied: all but each client's last batch.
+    assert doc["ceiling"]["extra"]["finished"] >= doc["ceiling"]["jobs"] - 2 * 5
     assert doc["ratio"] == pytest.approx(
         doc["queue"]["jobs_per_second"] / doc["ceiling"]["jobs_per_second"]
     )

@@ -17,6 +17,7 @@ from skiplock.queue_impl.interface import (
     Account,
     AttemptResult,
     ConfirmsReceipt,
+    FinishesWhileClaiming,
     JobState,
     JobStatus,
     NewJob,
@@ -354,3 +355,30 @@ def test_the_account_whose_work_waited_longest_goes_first(clocked: Clocked) -> N
     q.enqueue(list(jobs.values()))
     taken = [lease.account_id for _ in range(3) for lease in q.claim("w", 1, LEASE)]
     assert taken == ["c", "b", "a"]
+
+
+def test_finish_and_claim_answers_as_finish_then_claim(clocked: Clocked) -> None:
+    """The results are written as `finish` writes them (a lease no longer held is fenced),
+    and the claim after them sees what they freed: a limited account's slot, taken again."""
+    q = clocked.queue
+    if not isinstance(q, FinishesWhileClaiming):
+        pytest.skip(f"{clocked.kind}: no finish_and_claim")
+    q.upsert_accounts([Account(id="lim", concurrency_limit=1)])
+    first = job("lim", run_at=T0 - timedelta(seconds=2))
+    second = job("lim", run_at=T0 - timedelta(seconds=1))
+    later = job("a", run_at=T0 + timedelta(hours=1))
+    q.enqueue([first, second, later])
+    [held] = q.claim("w1", 5, LEASE)
+    assert held.job_id == first.id
+    if isinstance(q, ConfirmsReceipt):
+        ok(q.receive([held]))
+    never_held = dataclasses.replace(held, job_id=later.id, lease_token=uuid.uuid4())
+    written, leases = q.finish_and_claim(
+        [AttemptResult(lease=held, outcome=Outcome.SUCCESS, http_status=200),
+         AttemptResult(lease=never_held, outcome=Outcome.SUCCESS)], "w1", 5, LEASE)
+    assert written == [WriteResult.APPLIED, WriteResult.FENCED]
+    assert [(lease.job_id, lease.attempt) for lease in leases] == [(second.id, 1)]
+    assert clocked.state(first.id).status is JobStatus.COMPLETED
+    assert clocked.state(later.id).status is JobStatus.PENDING
+    # Nothing to write: a claim alone.
+    assert q.finish_and_claim([], "w1", 5, LEASE) == ([], [])

@@ -928,3 +928,35 @@ def test_a_claim_locks_no_more_accounts_than_it_can_use(
         assert [lease.account_id for lease in queue.claim("w2", 1, LEASE)] == ["y"]
     finally:
         holder.close()
+
+
+def _row_xmins(pg_dsn: str, schema: str) -> dict[uuid.UUID, int]:
+    """Each job row's creating transaction (xmin) as it stands."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            sql.SQL("SELECT id, xmin::text::bigint FROM {}.jobs").format(sql.Identifier(schema))
+        ).fetchall()
+    return {row[0]: row[1] for row in rows}
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["one-trip", "hook-in-claim"])
+def test_finish_and_claim_commits_once_where_the_claim_is_one_trip(
+    queue: PgQueue, pg_dsn: str, fresh_schema: str, hooked: bool
+) -> None:
+    """The finished row and the newly claimed one are written by one transaction (one
+    xmin); with a hook inside the claim's transaction, finish and claim go one after the
+    other, two transactions, with the same answers."""
+    if hooked:
+        queue.claim_commit_hook = lambda: None
+    done, nxt = jobs_for("a", 1), jobs_for("a", 1)
+    queue.enqueue(done)
+    [held] = queue.claim("w", 1, LEASE)
+    queue.receive([held])
+    queue.enqueue(nxt)
+    written, leases = queue.finish_and_claim(
+        [AttemptResult(lease=held, outcome=Outcome.SUCCESS, http_status=200)], "w", 1, LEASE)
+    assert written == [WriteResult.APPLIED]
+    assert [lease.job_id for lease in leases] == [nxt[0].id]
+    xmins = _row_xmins(pg_dsn, fresh_schema)
+    same = xmins[done[0].id] == xmins[nxt[0].id]
+    assert same is not hooked
