@@ -331,6 +331,13 @@ class FinishesWhileClaiming(Protocol):
     either alone: the results may have been written (a resend of them is fenced) and a
     claim may have committed (its leases expire)."""
 
+    @property
+    def one_transaction(self) -> bool:
+        """Whether `finish_and_claim` is one transaction as configured now. When it is two
+        (a variant or a hook that needs the claim on its own), an error in the claim loses
+        the finish's answer, so a worker that logs every write's outcome calls the two
+        apart."""
+
     def finish_and_claim(
         self, results: Sequence[AttemptResult], worker_id: str, batch: int, lease: timedelta
     ) -> tuple[list[WriteResult], list[Lease]]:

@@ -470,9 +470,10 @@ class PgQueue:
             raise
 
     @property
-    def _claims_in_one_trip(self) -> bool:
-        """Whether `claim` is the one-trip claim: the `pg` variant, the reference's two
-        claim blocks, no hook inside the claim's transaction."""
+    def one_transaction(self) -> bool:
+        """Whether `finish_and_claim` is one transaction (see `FinishesWhileClaiming`): the
+        `pg` variant's one-trip claim (the reference's two claim blocks), no hook inside the
+        claim's transaction."""
         return (self.variant == "pg" and self.claim_commit_hook is None
                 and self._claim_hands_over)
 
@@ -552,7 +553,7 @@ class PgQueue:
             raise ValueError("batch must be positive")
         if lease <= timedelta(0):
             raise ValueError("lease must be positive")
-        if not results or not self._claims_in_one_trip:
+        if not results or not self.one_transaction:
             return self.finish(results), self.claim(worker_id, batch, lease)
         with self._tx(Role.LEASE, pipeline=True) as conn:
             written = conn.execute(self._statements["finish"], _finish_params(results))

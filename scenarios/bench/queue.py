@@ -649,6 +649,27 @@ def _pg_env(dsn: str, schema: str) -> dict[str, str]:
     return env
 
 
+def _pgbench_argv(pgbench: Path, params: Params, duration: int, folder: Path,
+                  script: Path) -> list[str]:
+    """pgbench's command line: W clients, prepared statements, per-transaction logs."""
+    return [
+        str(pgbench),
+        "--no-vacuum",
+        "--protocol=prepared",
+        f"--client={params.workers}",
+        f"--jobs={params.workers}",
+        f"--time={duration}",
+        "--progress=1",
+        "--log",
+        f"--log-prefix={folder / 'tx'}",
+        f"--file={script}",
+        f"--define=batch={params.batch}",
+        f"--define=lease={int(LEASE.total_seconds())} seconds",
+        "--define=worker_id=pgbench",
+        *(f"--define={name}={{}}" for name in PGBENCH_FIRST),
+    ]
+
+
 def _pgbench_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
     from skiplock.queue_impl.sqlfile import reference_statements
 
@@ -659,22 +680,7 @@ def _pgbench_phase(dsn: str, schema: str, params: Params) -> PhaseResult:
     with tempfile.TemporaryDirectory(prefix="skiplock-pgbench-") as tmp:
         script = Path(tmp) / "claim_finish.sql"
         script.write_text(pgbench_script(reference_statements()))
-        argv = [
-            str(pgbench),
-            "--no-vacuum",
-            "--protocol=prepared",
-            f"--client={params.workers}",
-            f"--jobs={params.workers}",
-            f"--time={duration}",
-            "--progress=1",
-            "--log",
-            f"--log-prefix={Path(tmp) / 'tx'}",
-            f"--file={script}",
-            f"--define=batch={params.batch}",
-            f"--define=lease={int(LEASE.total_seconds())} seconds",
-            "--define=worker_id=pgbench",
-            *(f"--define={name}={{}}" for name in PGBENCH_FIRST),
-        ]
+        argv = _pgbench_argv(pgbench, params, duration, Path(tmp), script)
         _say(f"pgbench: {params.workers} clients, {duration} s, the reference claim + finish")
         proc = subprocess.Popen(
             argv,

@@ -948,6 +948,7 @@ def test_finish_and_claim_commits_once_where_the_claim_is_one_trip(
     other, two transactions, with the same answers."""
     if hooked:
         queue.claim_commit_hook = lambda: None
+    assert queue.one_transaction is not hooked
     done, nxt = jobs_for("a", 1), jobs_for("a", 1)
     queue.enqueue(done)
     [held] = queue.claim("w", 1, LEASE)
