@@ -86,7 +86,6 @@ from skiplock.queue_impl.interface import (
     AttemptResult,
     ClaimCommitHook,
     ConfirmsReceipt,
-    FinishesWhileClaiming,
     HoldsClaims,
     Lease,
     Outcome,
@@ -386,22 +385,13 @@ class Dispatcher:
                 continue
             batch, self._results = self._results, []
             async with self._lease_io:
+                results = [self._result(self._held[token].lease, call) for token, call in batch]
                 # Renewals wait for this write: no lease of the batch outlives its grant.
-                results, held_until = self._results_of(batch)
-                await self._finish(results, held_until)
-                self._written(batch)
-
-    def _results_of(self, batch: Sequence[tuple[Any, Call]]) -> tuple[list[AttemptResult], float]:
-        """The results to write for `batch`, and until when their leases may still be held
-        (the latest grant's send plus the lease, on the monotonic clock)."""
-        results = [self._result(self._held[token].lease, call) for token, call in batch]
-        granted = max(self._held[token].granted_after for token, _ in batch)
-        return results, granted + self.config.lease_seconds
-
-    def _written(self, batch: Sequence[tuple[Any, Call]]) -> None:
-        for token, _ in batch:
-            self._held.pop(token, None)
-        self._settled.set()
+                held_until = max(self._held[token].granted_after for token, _ in batch)
+                await self._finish(results, held_until + self.config.lease_seconds)
+                for token, _ in batch:
+                    self._held.pop(token, None)
+            self._settled.set()
 
     async def _renew_loop(self) -> None:
         """The one renewal routine: extend each held lease once half of it has passed since
@@ -517,13 +507,7 @@ class Dispatcher:
 
     async def _claim(self, count: int) -> list[Lease] | None:
         """Up to `count` leases; [] when nothing is due; None after a database error (the
-        claim may or may not have committed: its leases, if any, will expire). Results that
-        gathered while no write was running go with it, where the queue can take both in
-        one transaction (`FinishesWhileClaiming`)."""
-        if (self._results and not self._lease_io.locked() and not self.whole_batches
-                and isinstance(self.backend, FinishesWhileClaiming)
-                and self.backend.one_transaction):
-            return await self._finish_and_claim(self.backend, count)
+        claim may or may not have committed: its leases, if any, will expire)."""
         try:
             return await asyncio.to_thread(
                 self.backend.claim, self.worker_id, count, self._lease
@@ -533,30 +517,6 @@ class Dispatcher:
             await self._reconnect()
             await self._sleep_unless_stopping(self.config.poll_seconds)
             return None
-
-    async def _finish_and_claim(self, backend: FinishesWhileClaiming,
-                                count: int) -> list[Lease] | None:
-        """The results gathered so far and a claim of up to `count`, in one call. After an
-        error the results are sent again on their own, by the write path's rules (the first
-        send may have committed), and the claim is given up for this turn (its leases, if it
-        committed, expire unreceived and are given back)."""
-        async with self._lease_io:
-            batch, self._results = self._results, []
-            results, held_until = self._results_of(batch)
-            started = time.time()
-            try:
-                written, leases = await asyncio.to_thread(
-                    backend.finish_and_claim, results, self.worker_id, count, self._lease)
-            except Exception as exc:
-                self._call_failed("claim", "claim (with a result write) failed", exc)
-                if await self._after_failed_write(results, held_until, 0, started, exc):
-                    await self._finish(results, held_until, started=started,
-                                       failed=one_line(exc), sends=1)
-                self._written(batch)
-                return None
-            self._log_writes(results, written, None, started)
-            self._written(batch)
-        return leases
 
     async def _receive(self, leases: list[Lease], claim_sent: float) -> list[Lease]:
         """The leases to call: those the queue confirms received (`ConfirmsReceipt`; a
@@ -634,49 +594,37 @@ class Dispatcher:
             finished_at=datetime.fromtimestamp(call.end).astimezone(),
         )
 
-    async def _finish(self, results: list[AttemptResult], held_until: float, *,
-                      started: float | None = None, failed: str | None = None,
-                      sends: int = 0) -> None:
+    async def _finish(self, results: list[AttemptResult], held_until: float) -> None:
         """Write the results; a send that fails is sent again while the leases may still be
         held (`held_until`, on the monotonic clock: the latest grant's send plus the lease),
-        and at least after each of WRITE_RETRY_PAUSES. A caller whose own send of them failed
-        passes when it was sent, its error and `sends=1`."""
+        and at least after each of WRITE_RETRY_PAUSES."""
         # The event is logged after the commit, maybe much later if this process stalls; the
         # time the statement was sent is what a checker can compare with other workers' claims.
-        started = time.time() if started is None else started
+        started = time.time()
+        failed: str | None = None
+        sends = 0
         while True:
             try:
                 written = await asyncio.to_thread(self.backend.finish, results)
                 break
             except Exception as exc:
+                # The write may or may not have committed: unknown, not failed. It is fenced,
+                # so it is sent again: a resend of a write that committed changes nothing.
                 failed = one_line(exc)
-                if not await self._after_failed_write(results, held_until, sends, started, exc):
-                    return
+                pause = _write_pause(sends)
                 sends += 1
-        self._log_writes(results, written, failed, started)
-
-    async def _after_failed_write(self, results: list[AttemptResult], held_until: float,
-                                  sends: int, started: float, exc: Exception) -> bool:
-        """After send `sends + 1` of a result write failed: whether to send it again (after
-        its pause). The write may or may not have committed: unknown, not failed. It is
-        fenced, so it is sent again: a resend of a write that committed changes nothing.
-        Given up, each result is logged as unknown."""
-        pause = _write_pause(sends)
-        again = (sends + 1 <= len(WRITE_RETRY_PAUSES)
-                 or time.monotonic() + pause < held_until)
-        self._call_failed(
-            "finish", f"writing results failed{', sending it again' if again else ''}", exc)
-        await self._reconnect()
-        if not again:
-            for result in results:
-                self.emit("write", **write_event(result.lease, result.outcome, "info",
-                                                 one_line(exc), started))
-            return False
-        await asyncio.sleep(pause)
-        return True
-
-    def _log_writes(self, results: Sequence[AttemptResult], written: Sequence[WriteResult],
-                    failed: str | None, started: float) -> None:
+                again = (sends <= len(WRITE_RETRY_PAUSES)
+                         or time.monotonic() + pause < held_until)
+                self._call_failed(
+                    "finish", f"writing results failed{', sending it again' if again else ''}",
+                    exc)
+                await self._reconnect()
+                if not again:
+                    for result in results:
+                        self.emit("write", **write_event(result.lease, result.outcome, "info",
+                                                         failed, started))
+                    return
+                await asyncio.sleep(pause)
         for result, write in zip(results, written, strict=True):
             # After a failed send, "fenced" may be the first send having committed: unknown.
             # "applied" is certain (had the first committed, the resend would be fenced).
@@ -686,7 +634,6 @@ class Dispatcher:
             error = result.error if failed is None or value == "applied" else failed
             self.emit("write", **write_event(result.lease, result.outcome, value, error,
                                              started))
-
     def _stall_in_claim(self) -> None:
         self.failpoints.stall_in_claim()
 
