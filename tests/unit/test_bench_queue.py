@@ -140,3 +140,29 @@ def test_pgqueuer_holds_a_batch_in_flight_per_process(batch: int,
     per_dequeue, in_flight = _in_flight_per_process(batch)
     assert (per_dequeue, in_flight) == expected
     assert in_flight >= 2 * per_dequeue  # pgqueuer refuses less
+
+
+def _phase(rate: float, *, ran_dry: bool = False) -> bench_queue.PhaseResult:
+    return bench_queue.PhaseResult(jobs=int(rate * 10), cycles=1, seconds=10.0,
+                                   jobs_per_second=rate, cycle_p50_ms=1.0, cycle_p99_ms=2.0,
+                                   ran_dry=ran_dry, extra={})
+
+
+@pytest.mark.parametrize(("queue_dry", "other_dry"), [(True, False), (False, True), (True, True)])
+def test_no_ratio_is_given_with_a_phase_that_ran_dry(
+        capsys: pytest.CaptureFixture[str], queue_dry: bool, other_dry: bool) -> None:
+    # Both emptied their backlog: 8,000 jobs/s each is the backlog over the duration, and
+    # "1.00" would be a claim about two queues that were never measured.
+    queue, ceiling = _phase(8000.0, ran_dry=queue_dry), _phase(8000.0, ran_dry=other_dry)
+    other = {"jobs_per_second": 8000.0, "ran_dry": other_dry}
+    assert bench_queue._ratio(queue, ceiling) is None
+    assert bench_queue._versus({"queue": queue}, other, "pgqueuer")["ratio_to_pgqueuer"] is None
+    figures = bench_queue._round_figures({"queue": queue, "ceiling": ceiling}, other, "pgqueuer")
+    assert figures["ratio"] is None
+    bench_queue._print_summary(queue, ceiling, None)
+    assert f"ratio queue/ceiling: {bench_queue.DRY_RATIO}" in capsys.readouterr().out
+
+
+def test_a_ratio_is_given_when_neither_phase_ran_dry() -> None:
+    assert bench_queue._ratio(_phase(9000.0), _phase(7500.0)) == pytest.approx(1.2)
+    assert bench_queue._ratio(_phase(9000.0), {"jobs_per_second": 0.0, "ran_dry": False}) is None
