@@ -565,10 +565,13 @@ def test_sigterm_mid_load_cleans_up_and_leaves_a_judgeable_run(
     assert code == 143, stderr
     assert "terminated" in stderr
     # Every process the run started was stopped and reaped before it exited...
-    leftover = {pid for pid, cmd in children.items()
-                if _running(pid) and "resource_tracker" not in cmd} | {
-        pid for pid in _in_group(run.pid) if "resource_tracker" not in _cmdline(pid)}
-    assert leftover == set(), {pid: _cmdline(pid) for pid in leftover}
+    def command(pid: int) -> str:
+        # As seen before the signal: a process that is exiting right now reads as "".
+        return children.get(pid) or _cmdline(pid)
+
+    leftover = {pid: command(pid) for pid in {pid for pid in children if _running(pid)}
+                | _in_group(run.pid) if "resource_tracker" not in command(pid)}
+    assert leftover == {}, leftover
     # ...except multiprocessing's resource tracker, which leaves when its parent has gone.
     assert _poll(lambda: not any(_running(pid) for pid in children) and not _in_group(run.pid),
                  10.0), {pid: cmd for pid, cmd in children.items() if _running(pid)}
