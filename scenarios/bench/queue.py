@@ -337,10 +337,15 @@ def _ratio(one: PhaseResult | Mapping[str, Any], other: PhaseResult | Mapping[st
            ) -> float | None:
     """One phase's rate over another's; None when either ran dry (its rate is its backlog
     over the duration, not what it can do) or the other did nothing."""
-    first, second = (asdict(x) if isinstance(x, PhaseResult) else x for x in (one, other))
-    if first["ran_dry"] or second["ran_dry"] or second["jobs_per_second"] <= 0:
+    def rate_and_dry(phase: PhaseResult | Mapping[str, Any]) -> tuple[float, bool]:
+        if isinstance(phase, PhaseResult):
+            return phase.jobs_per_second, phase.ran_dry
+        return float(phase["jobs_per_second"]), bool(phase["ran_dry"])
+
+    (rate, dry), (other_rate, other_dry) = rate_and_dry(one), rate_and_dry(other)
+    if dry or other_dry or other_rate <= 0:
         return None
-    return float(first["jobs_per_second"] / second["jobs_per_second"])
+    return rate / other_rate
 
 
 def _versus(result: dict[str, Any], other: dict[str, Any], against: str) -> dict[str, Any]:
