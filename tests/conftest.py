@@ -15,7 +15,7 @@ import os
 import signal
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,23 @@ def owned_pg_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[PgServer]:
 @pytest.fixture(scope="session")
 def pg_dsn(pg_server: PgServer) -> str:
     return pg_server.dsn
+
+
+RatioCheck = Callable[[float | None, dict[str, Any], dict[str, Any]], None]
+
+
+@pytest.fixture
+def assert_ratio() -> RatioCheck:
+    """Checks a benchmark's ratio: one phase's rate over the other's, and none when either
+    emptied its backlog (a fast machine drains the tests' small backlogs within their
+    second, and a drained phase measured its backlog, not its speed)."""
+    def check(ratio: float | None, one: dict[str, Any], other: dict[str, Any]) -> None:
+        if one["ran_dry"] or other["ran_dry"]:
+            assert ratio is None
+        else:
+            assert ratio == pytest.approx(one["jobs_per_second"] / other["jobs_per_second"])
+
+    return check
 
 
 @pytest.fixture

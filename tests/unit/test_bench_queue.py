@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from skiplock.plumbing.errors import UsageError
 from skiplock.queue_impl.sqlfile import reference_statements
 from skiplock.scenarios.bench import common as bench_common
 from skiplock.scenarios.bench import queue as bench_queue
+from skiplock.scenarios.bench.common import NO_RATIO, ratio_of
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -155,14 +157,38 @@ def test_no_ratio_is_given_with_a_phase_that_ran_dry(
     # "1.00" would be a claim about two queues that were never measured.
     queue, ceiling = _phase(8000.0, ran_dry=queue_dry), _phase(8000.0, ran_dry=other_dry)
     other = {"jobs_per_second": 8000.0, "ran_dry": other_dry}
-    assert bench_queue._ratio(queue, ceiling) is None
+    assert ratio_of(queue, ceiling) is None
     assert bench_queue._versus({"queue": queue}, other, "pgqueuer")["ratio_to_pgqueuer"] is None
     figures = bench_queue._round_figures({"queue": queue, "ceiling": ceiling}, other, "pgqueuer")
     assert figures["ratio"] is None
     bench_queue._print_summary(queue, ceiling, None)
-    assert f"ratio queue/ceiling: {bench_queue.DRY_RATIO}" in capsys.readouterr().out
+    assert f"ratio queue/ceiling: {NO_RATIO}" in capsys.readouterr().out
+
+
+def test_bench_e2e_gives_no_ratio_with_a_phase_that_ran_dry(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # The same rule as bench queue's: the end-to-end phase's dryness voids both its ratios.
+    from skiplock.scenarios.bench import e2e as bench_e2e
+    from skiplock.scenarios.bench.window import E2eResult
+
+    e2e = E2eResult(jobs=2000, seconds=1.0, jobs_per_second=2000.0, job_p50_ms=1.0,
+                    job_p99_ms=2.0, ran_dry=True, worker_cpu_seconds=0.5,
+                    target_cpu_seconds=0.2)
+    assert ratio_of(e2e, _phase(8000.0)) is None
+    assert ratio_of(e2e, {"jobs_per_second": 1500.0, "ran_dry": False}) is None
+    doc = {"queue": {**_figures(_phase(8000.0)), "cycle_p50_ms": 1.0, "cycle_p99_ms": 2.0},
+           "e2e": dataclasses.asdict(e2e), "ratio": None,
+           "pgqueuer": {**dataclasses.asdict(e2e), "ran_dry": False}, "ratio_to_pgqueuer": None}
+    bench_e2e._print_summary(doc)
+    out = capsys.readouterr().out
+    assert f"ratio end to end / queue only: {NO_RATIO}" in out
+    assert f"ratio PgQueue end to end / pgqueuer end to end: {NO_RATIO}" in out
+
+
+def _figures(phase: bench_queue.PhaseResult) -> dict[str, object]:
+    return {"jobs_per_second": phase.jobs_per_second, "ran_dry": phase.ran_dry}
 
 
 def test_a_ratio_is_given_when_neither_phase_ran_dry() -> None:
-    assert bench_queue._ratio(_phase(9000.0), _phase(7500.0)) == pytest.approx(1.2)
-    assert bench_queue._ratio(_phase(9000.0), {"jobs_per_second": 0.0, "ran_dry": False}) is None
+    assert ratio_of(_phase(9000.0), _phase(7500.0)) == pytest.approx(1.2)
+    assert ratio_of(_phase(9000.0), {"jobs_per_second": 0.0, "ran_dry": False}) is None
