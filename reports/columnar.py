@@ -13,7 +13,9 @@ source file now, and it was written by this format version for the same candidat
 otherwise it is ignored and rewritten. A file that was cut off mid-line, read line by line,
 holding a NUL byte (the checker refuses it), or still being written is never cached. The
 cache cannot make a check fail: a cache that cannot be read is a miss, and one that cannot
-be written (read-only directory, full disk) is skipped with one debug log line.
+be written (read-only directory, full disk) is skipped with one debug log line. Writes run
+in the background of the check that parsed the files (`BackgroundWrites`), which waits for
+them before it returns.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,6 +137,24 @@ class Entry:
         return True
 
 
+class BackgroundWrites:
+    """Cache writes run on one thread of their own while the check goes on: the cache
+    serves the next check, so this one does not wait for it before judging. Leaving the
+    `with` block waits for every write (nothing is left half-done at exit)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skiplock-cache")
+
+    def store(self, entry: Entry, table: pa.Table, *, read_bytes: int) -> None:
+        self._pool.submit(entry.store, table, read_bytes=read_bytes)
+
+    def __enter__(self) -> BackgroundWrites:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True)
+
+
 def lookup(source: Path, schemas: Sequence[pa.Schema]) -> Entry:
     """Stat `source` and load its cache if the cache matches it and `schemas`."""
     now = time.time_ns()
@@ -174,10 +195,12 @@ def _write(path: Path, table: pa.Table, *, mode: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            os.fchmod(fh.fileno(), mode)
-            with ipc.new_file(fh, table.schema) as writer:
-                writer.write_table(table)
+        os.fchmod(fd, mode)
+        os.close(fd)
+        # Arrow's own file, not a Python file object: the columns go to the file without the
+        # GIL and without a copy through Python's buffered writer for each buffer.
+        with pa.OSFile(tmp, "wb") as sink, ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -194,6 +217,7 @@ __all__ = [
     "CACHE_DIR",
     "FORMAT_VERSION",
     "RACY_SECONDS",
+    "BackgroundWrites",
     "Entry",
     "Stamp",
     "cache_bytes",

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
+import numpy as np
+import pyarrow as pa  # type: ignore[import-untyped]
+
+from skiplock.reports import columnar
 from skiplock.reports.checker.join import (
     History,
     JobUniverse,
@@ -33,15 +38,21 @@ from skiplock.reports.history import (
 )
 
 
-def read_history(run_dirs: Sequence[Path]) -> History:
+def _objects(column: pa.ChunkedArray) -> np.ndarray:
+    """An Arrow string column as an object array of str / None."""
+    return cast(np.ndarray, column.to_numpy(zero_copy_only=False))
+
+
+def read_history(run_dirs: Sequence[Path], cache_writes: columnar.BackgroundWrites) -> History:
     """The history recorded in `run_dirs` (the first holds the run; the others add
-    delivery, worker and fault logs, and may add enqueues). Raises HistoryError."""
+    delivery, worker and fault logs, and may add enqueues). The columnar cache of the files
+    parsed goes to `cache_writes`. Raises HistoryError."""
     dirs = checked_run_dirs(run_dirs)
     main = dirs[0]
     config = run_config(main / RUN_FILE, read_json(main / SPEC_FILE))
     kinds = log_kinds(dirs)
     refuse_repeats([p for _, paths, _ in kinds for p in paths], "a log", "file")
-    read = read_parts([(p, source) for _, paths, source in kinds for p in paths])
+    read = read_parts([(p, source) for _, paths, source in kinds for p in paths], cache_writes)
     parts = iter(read)
     cut: dict[str, str] = {}  # file cut off -> its kind of log
     tables: list[Table] = []
@@ -59,8 +70,8 @@ def read_history(run_dirs: Sequence[Path]) -> History:
         lease_from_sent(events, ev.nested["data"])
     repicks = 0
     if config.guarantees.attempts_count != "claims":
-        repicks = key_picks_by_lease(events, ev.columns["lease_token"], deliveries,
-                                     dl.columns["lease"])
+        repicks = key_picks_by_lease(events, _objects(ev.tokens["lease_token"]), deliveries,
+                                     _objects(dl.tokens["lease"]))
     return History(
         config=config,
         job_ids=jobs.job_ids,

@@ -126,6 +126,11 @@ _EVENT_DATA = ("result", "name", "lost", "error", "reason", "outcome", "started"
 _EVENT_BASE = ("kind", "worker", "time", "job_id", "attempt", "lease_token")
 
 
+# Columns of lease tokens (a worker event's, a delivery's): read only to key a queue's
+# re-picks apart (`join.key_picks_by_lease`), so kept in Arrow as `job_id` is.
+TOKENS = ("lease_token", "lease")
+
+
 def _nest_event_data(batch: pa.RecordBatch) -> pa.RecordBatch:
     """A worker event's own fields as one struct column `data`, as they were written."""
     data = pa.StructArray.from_arrays([batch.column(n) for n in _EVENT_DATA],
@@ -244,7 +249,9 @@ class Nested:
 @dataclass
 class Part:
     """One file's columns: numbers as float64 (NaN for null), strings as object arrays,
-    `job_id` kept in Arrow (it is only ever looked up), objects as `Nested` parts."""
+    `job_id` and the lease tokens (`tokens`) kept in Arrow (one distinct value per job or
+    claim, only ever looked up or matched: a Python string per row would cost more than
+    parsing them), objects as `Nested` parts."""
 
     path: Path
     rows: int
@@ -252,6 +259,7 @@ class Part:
     truncated: bool
     columns: dict[str, np.ndarray]
     job_id: pa.ChunkedArray
+    tokens: dict[str, pa.ChunkedArray]
     nested: dict[str, pa.ChunkedArray | list[Any]]
     header_lines: int  # lines before the first record
     lines: list[int] | None = None  # line of each row, when blank lines were skipped
@@ -312,36 +320,46 @@ def _strings(column: pa.ChunkedArray) -> np.ndarray:
 def _arrow_part(path: Path, table: pa.Table, truncated: bool, source: Source) -> Part:
     columns: dict[str, np.ndarray] = {}
     nested: dict[str, pa.ChunkedArray | list[Any]] = {}
+    tokens: dict[str, pa.ChunkedArray] = {}
     for f in table.schema:
         column = table.column(f.name)
         if pa.types.is_struct(f.type):
             nested[f.name] = column
+        elif f.name in TOKENS:
+            tokens[f.name] = column
         elif pa.types.is_floating(f.type):
             columns[f.name] = column.to_numpy()
         elif f.name != "job_id":
             columns[f.name] = _strings(column)
     return Part(path=path, rows=table.num_rows, typed=True, truncated=truncated,
-                 columns=columns, job_id=table.column("job_id"), nested=nested,
-                 header_lines=source.header_lines)
+                 columns=columns, job_id=table.column("job_id"), tokens=tokens,
+                 nested=nested, header_lines=source.header_lines)
 
 
 def _python_part(path: Path, rows: list[dict[str, Any]], lines: list[int],
                  source: Source, truncated: bool) -> Part:
     columns: dict[str, np.ndarray] = {}
     nested: dict[str, pa.ChunkedArray | list[Any]] = {}
+    tokens: dict[str, pa.ChunkedArray] = {}
     for f in source.shape:
         if pa.types.is_struct(f.type):
             nested[f.name] = [r.get(f.name) for r in rows]
+        elif f.name in TOKENS:
+            tokens[f.name] = _arrow_strings([r.get(f.name) for r in rows])
         elif f.name != "job_id":
             values = np.empty(len(rows), dtype=object)
             values[:] = [r.get(f.name) for r in rows]
             columns[f.name] = values
-    ids = [r.get("job_id") for r in rows]
-    job_id = pa.chunked_array([pa.array([v if type(v) is str else None for v in ids],
-                                        pa.string())])
+    job_id = _arrow_strings([r.get("job_id") for r in rows])
     return Part(path=path, rows=len(rows), typed=False, truncated=truncated,
-                 columns=columns, job_id=job_id, nested=nested,
+                 columns=columns, job_id=job_id, tokens=tokens, nested=nested,
                  header_lines=source.header_lines, lines=lines)
+
+
+def _arrow_strings(values: list[Any]) -> pa.ChunkedArray:
+    """Values read line by line as an Arrow string column: anything but a string is null."""
+    return pa.chunked_array([pa.array([v if type(v) is str else None for v in values],
+                                      pa.string())])
 
 
 def _shaped(table: pa.Table, source: Source) -> pa.Table:
@@ -462,7 +480,7 @@ def _refuse_nul(path: Path, data: bytes | mmap.mmap, end: int) -> None:
                            "file is damaged; judge an undamaged copy")
 
 
-def _read_part(path: Path, source: Source) -> Part:
+def _read_part(path: Path, source: Source, cache_writes: columnar.BackgroundWrites) -> Part:
     cache = columnar.lookup(path, (source.schema,))
     if cache.table is not None:
         return _arrow_part(path, _shaped(cache.table, source), False, source)
@@ -484,17 +502,19 @@ def _read_part(path: Path, source: Source) -> Part:
     table = _read_jsonl(data[:end], source) if names is None else _read_csv(data, end, source)
     if table is not None:
         if not truncated:
-            cache.store(table, read_bytes=end)
+            cache_writes.store(cache, table, read_bytes=end)
         return _arrow_part(path, _shaped(table, source), truncated, source)
     rows, lines = (_parse_json_slow(path, data[:end]) if names is None
                    else _parse_csv_slow(path, data[:end], names, cast(LogFormat, source.log)))
     return _python_part(path, rows, lines, source, truncated)
 
 
-def read_parts(jobs: Sequence[tuple[Path, Source]]) -> list[Part]:
-    """Every file, read in parallel (Arrow parses without the GIL), in the given order."""
+def read_parts(jobs: Sequence[tuple[Path, Source]],
+               cache_writes: columnar.BackgroundWrites) -> list[Part]:
+    """Every file, read in parallel (Arrow parses without the GIL), in the given order; the
+    tables of files parsed whole go to `cache_writes`."""
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        futures = [pool.submit(_read_part, path, source) for path, source in jobs]
+        futures = [pool.submit(_read_part, path, source, cache_writes) for path, source in jobs]
         return [f.result() for f in futures]
 
 

@@ -14,7 +14,7 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import pyarrow.compute as pc  # type: ignore[import-untyped]
 
 from skiplock.reports.checker.common import floats
-from skiplock.reports.checker.read import Nested, Part, data_dict
+from skiplock.reports.checker.read import TOKENS, Nested, Part, data_dict
 from skiplock.reports.history import (
     HistoryError,
 )
@@ -26,6 +26,7 @@ class Table:
 
     columns: dict[str, np.ndarray]
     job_id: pa.ChunkedArray
+    tokens: dict[str, pa.ChunkedArray]  # lease tokens, kept in Arrow (see `read.Part`)
     nested: dict[str, Nested]
     typed: bool  # every file went through Arrow
     source: list[str]  # file per file appended
@@ -118,7 +119,7 @@ def table_of(parts: Sequence[Part], schema: pa.Schema) -> Table:
     """The parts of one kind of file, as one table."""
     columns: dict[str, np.ndarray] = {}
     for f in schema:
-        if pa.types.is_struct(f.type) or f.name == "job_id":
+        if pa.types.is_struct(f.type) or f.name == "job_id" or f.name in TOKENS:
             continue
         got = [p.columns[f.name] for p in parts]
         if not got:
@@ -134,7 +135,10 @@ def table_of(parts: Sequence[Part], schema: pa.Schema) -> Table:
     nested = {f.name: Nested([p.nested[f.name] for p in parts], starts)
               for f in schema if pa.types.is_struct(f.type)}
     job_id = pa.chunked_array([c for p in parts for c in p.job_id.chunks], pa.string())
-    return Table(columns=columns, job_id=job_id, nested=nested,
+    tokens = {name: pa.chunked_array([c for p in parts for c in p.tokens[name].chunks],
+                                     pa.string())
+              for name in TOKENS if name in schema.names}
+    return Table(columns=columns, job_id=job_id, tokens=tokens, nested=nested,
                   typed=all(p.typed for p in parts),
                   source=[str(p.path) for p in parts], rows_per_file=counts,
                   header_lines=[p.header_lines for p in parts], lines=[p.lines for p in parts])
