@@ -330,6 +330,10 @@ class NemesisContext(Protocol):
     lease_seconds: float
     http_timeout_seconds: float
 
+    @property
+    def account_limits(self) -> Mapping[str, int | None]:
+        """Each account's concurrency limit (None: unlimited), as the scenario declares."""
+
     def restart_server(self) -> None:
         """Immediate stop and start of the owned server (crash recovery runs)."""
 

@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,10 @@ from skiplock.queue_impl.failpoints import (
 from skiplock.reports.history import (
     ENQUEUE_LOG,
     ENQUEUES_FILE,
+    Behaviour,
     HistoryError,
+    JobScript,
+    Step,
     parse_header,
     parse_row,
 )
@@ -39,6 +42,9 @@ from skiplock.reports.oracle import Expected, build_oracle, script_from_payload
 # its leases for milliseconds at a time), and how often it looks.
 HOLDER_WAIT_SECONDS = 2.0
 HOLDER_POLL_SECONDS = 0.003
+# How long an aimed pause waits for a worker holding a job whose next delivery runs long
+# before it takes any holder.
+PREFER_WAIT_SECONDS = 1.0
 # How long a claim-phase pause waits for some worker to claim.
 CLAIM_STALL_WAIT_SECONDS = 5.0
 # How long an aimed kill waits for some worker to hold the last attempt of a failing job:
@@ -52,13 +58,27 @@ AIM_WAIT_SECONDS = 3.0
 AIM_SETTLE_SECONDS = 0.2
 
 
-def _choose_holders(fault: Fault, exclude: Collection[str] = ()) -> list[str]:
-    deadline = time.monotonic() + HOLDER_WAIT_SECONDS
-    while not (holders := sorted(set(fault.ctx.workers_holding_leases()) - set(exclude))):
-        if time.monotonic() >= deadline:
+def _choose_holders(fault: Fault, exclude: Collection[str] = (),
+                    prefer: Callable[[Sequence[HeldLease]], set[str]] | None = None
+                    ) -> list[str]:
+    """Workers holding a lease (not in `exclude`), waiting up to HOLDER_WAIT_SECONDS for one.
+    With `prefer`, those it picks out of the leases held, for up to PREFER_WAIT_SECONDS; then
+    any holder. Once it has waited, the firing's window starts at its choice."""
+    started = time.monotonic()
+    while True:
+        waited = time.monotonic() - started
+        if prefer is not None and waited < PREFER_WAIT_SECONDS:
+            holders = sorted(prefer(fault.ctx.leases_held()) - set(exclude))
+        else:
+            holders = sorted(set(fault.ctx.workers_holding_leases()) - set(exclude))
+        if holders:
+            break
+        if waited >= HOLDER_WAIT_SECONDS:
             raise FaultSkipped(f"no worker {'not paused already ' if exclude else ''}held a "
                                f"lease within {HOLDER_WAIT_SECONDS:g} s")
         time.sleep(HOLDER_POLL_SECONDS)
+    if waited > HOLDER_POLL_SECONDS:
+        fault.started_at = time.time()
     return fault.rng.sample(holders, min(fault.planned.count, len(holders)))
 
 
@@ -80,31 +100,27 @@ def last_attempts(held: Mapping[str, Mapping[tuple[str, int], float]],
     return found
 
 
-class ExhaustingJobs:
-    """The jobs of a run whose script fails every allowed attempt (their oracle: FAILED after
-    max_attempts deliveries), with their max_attempts, read from enqueues.csv as it grows:
-    only whole lines, each `invoke` once. A job that ends sooner (a 4xx, a success) is left
-    out: killing its last attempt would take away a delivery its oracle counts on."""
+class _EnqueuedJobs:
+    """Jobs of a run read from enqueues.csv as it grows: only whole lines, each `invoke`
+    once, each kept or not by `_take_invoke`."""
 
     def __init__(self, run_dir: Path, http_timeout_seconds: float) -> None:
         self.path = run_dir / ENQUEUES_FILE
         self.http_timeout_seconds = http_timeout_seconds
-        self.jobs: dict[str, int] = {}
         self._offset = 0
         self._partial = b""
         self._names: list[str] | None = None
         self._line = 0
         self._lock = threading.Lock()
 
-    def read(self) -> dict[str, int]:
-        """Every exhausting job enqueued so far (job id -> max_attempts)."""
+    def _read(self) -> None:
         with self._lock:
             try:
                 with self.path.open("rb") as fh:
                     fh.seek(self._offset)
                     data = fh.read()
             except FileNotFoundError:
-                return self.jobs
+                return
             self._offset += len(data)
             *whole, self._partial = (self._partial + data).split(b"\n")
             for raw in whole:
@@ -113,7 +129,6 @@ class ExhaustingJobs:
                     self._take(raw.decode())
                 except (HistoryError, UnicodeDecodeError, ValueError, KeyError, TypeError):
                     continue  # the checker names a malformed line; aiming only skips it
-            return self.jobs
 
     def _take(self, line: str) -> None:
         if self._names is None:
@@ -124,11 +139,68 @@ class ExhaustingJobs:
         row = parse_row(self.path, self._line, line, self._names, ENQUEUE_LOG)
         if row["type"] != "invoke" or row["max_attempts"] is None:
             return
+        self._take_invoke(row, script_from_payload(row["script"]))
+
+    def _take_invoke(self, row: Mapping[str, Any], script: JobScript) -> None:
+        raise NotImplementedError
+
+
+class ExhaustingJobs(_EnqueuedJobs):
+    """The jobs of a run whose script fails every allowed attempt (their oracle: FAILED after
+    max_attempts deliveries), with their max_attempts. A job that ends sooner (a 4xx, a
+    success) is left out: killing its last attempt would take away a delivery its oracle
+    counts on."""
+
+    def __init__(self, run_dir: Path, http_timeout_seconds: float) -> None:
+        super().__init__(run_dir, http_timeout_seconds)
+        self.jobs: dict[str, int] = {}
+
+    def read(self) -> dict[str, int]:
+        """Every exhausting job enqueued so far (job id -> max_attempts)."""
+        self._read()
+        return self.jobs
+
+    def _take_invoke(self, row: Mapping[str, Any], script: JobScript) -> None:
         max_attempts = int(row["max_attempts"])
-        oracle = build_oracle(script_from_payload(row["script"]), max_attempts,
-                              self.http_timeout_seconds)
+        oracle = build_oracle(script, max_attempts, self.http_timeout_seconds)
         if oracle.expected is Expected.FAILED and oracle.deliveries == max_attempts:
             self.jobs[str(row["job_id"])] = max_attempts
+
+
+class LongRedeliveries(_EnqueuedJobs):
+    """The scripts and accounts of a run's jobs, read to tell which held attempt would be
+    followed by a long call, re-claimed at once: the delivery after it answers no sooner
+    than `seconds` (a slow answer, a hang), and its account has no concurrency limit (a
+    limited account's re-claim may queue behind its backlog). An aimed pause wants its
+    worker to hold such a job: once its lease passes on, the new holder's call is still
+    running when the paused worker is woken."""
+
+    def __init__(self, run_dir: Path, http_timeout_seconds: float, seconds: float,
+                 account_limits: Mapping[str, int | None]) -> None:
+        super().__init__(run_dir, http_timeout_seconds)
+        self.seconds = seconds
+        self.limited = {account for account, limit in account_limits.items()
+                        if limit is not None}
+        self.long: set[str] = set()  # job ids
+        self.scripts: dict[str, JobScript] = {}
+
+    def holders(self, held: Sequence[HeldLease]) -> set[str]:
+        """The workers in `held` that hold an attempt whose next delivery runs long."""
+        self._read()
+        return {lease.worker for lease in held
+                if lease.job_id in self.long
+                and self._runs_long(self.scripts[lease.job_id].step_for(lease.attempt + 1))}
+
+    def _runs_long(self, step: Step) -> bool:
+        if step.behaviour is Behaviour.HANG_FOREVER:
+            return True
+        return step.behaviour in (Behaviour.SLOW, Behaviour.HANG) and step.seconds >= self.seconds
+
+    def _take_invoke(self, row: Mapping[str, Any], script: JobScript) -> None:
+        if row["account"] not in self.limited:
+            job_id = str(row["job_id"])
+            self.long.add(job_id)
+            self.scripts[job_id] = script
 
 
 class _Aiming:
@@ -145,6 +217,28 @@ class _Aiming:
 # One per run (a fault lives for one firing; the run's context outlives them all).
 _AIMING: weakref.WeakKeyDictionary[Any, _Aiming] = weakref.WeakKeyDictionary()
 _AIMING_LOCK = threading.Lock()
+
+
+_LONG_REDELIVERIES: weakref.WeakKeyDictionary[Any, LongRedeliveries] = (
+    weakref.WeakKeyDictionary())
+
+
+def _long_redeliveries(ctx: NemesisContext) -> LongRedeliveries:
+    """The run's reader of long redeliveries, shared by its aimed pauses."""
+    def new() -> LongRedeliveries:
+        # Long enough that the call still runs when a re-claim is old enough to wake for.
+        return LongRedeliveries(ctx.run_dir, ctx.http_timeout_seconds,
+                                seconds=2 * RECLAIM_MIN_AGE_SECONDS,
+                                account_limits=ctx.account_limits)
+
+    with _AIMING_LOCK:
+        try:
+            found = _LONG_REDELIVERIES.get(ctx)
+            if found is None:
+                found = _LONG_REDELIVERIES[ctx] = new()
+        except TypeError:  # a context that cannot be weakly keyed: nothing shared
+            found = new()
+        return found
 
 
 def _aiming(ctx: NemesisContext) -> _Aiming:
@@ -235,8 +329,15 @@ class PauseWorker(Fault):
         if self.planned.phase == "claim":
             return self._stall_a_claim()
         run = str(self.ctx.run_dir)
+        prefer = None
+        if self.planned.until == "reclaimed":
+            # A worker holding a job whose next delivery runs long, of an unlimited account:
+            # once another worker has that job again (at once), its call is still running
+            # when this one is woken.
+            prefer = _long_redeliveries(self.ctx).holders
         with _STOPPED_LOCK:
-            self._paused = _choose_holders(self, exclude={w for r, w in _STOPPED if r == run})
+            self._paused = _choose_holders(self, exclude={w for r, w in _STOPPED if r == run},
+                                           prefer=prefer)
             for worker in self._paused:
                 self.ctx.signal_worker(worker, signal.SIGSTOP)
             _STOPPED.update((run, worker) for worker in self._paused)

@@ -101,6 +101,7 @@ class FaultContext:
         self.server_owned = ctx.server.owned
         self.lease_seconds = ctx.spec.lease
         self.http_timeout_seconds = ctx.spec.http_timeout
+        self.account_limits = dict(ctx.spec.accounts)
         self._failpoints: dict[str, float] = {}
         self._lock = threading.Lock()
 

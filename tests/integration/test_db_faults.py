@@ -51,6 +51,7 @@ class FakeContext:
     run_dir: Path = field(default_factory=Path)
     lease_seconds: float = 2.0
     http_timeout_seconds: float = 1.0
+    account_limits: dict[str, int | None] = field(default_factory=dict)
 
     def restart_server(self) -> None:
         assert self.restart is not None, "restart_server called on a server not owned"

@@ -293,6 +293,7 @@ class FakeContext:
     server_owned: bool = False
     lease_seconds: float = 10.0
     http_timeout_seconds: float = 1.0
+    account_limits: dict[str, int | None] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)
 
     def targets(self) -> Sequence[TargetHandle]:

@@ -173,6 +173,7 @@ class FakeContext:
     server_owned: bool = True
     lease_seconds: float = 4.0
     http_timeout_seconds: float = 1.0
+    account_limits: dict[str, int | None] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def restart_server(self) -> None:
@@ -282,13 +283,14 @@ def test_last_attempts_are_those_at_max_attempts_of_jobs_that_fail_every_attempt
     assert last_attempts(held, {}, now=11.0) == {}
 
 
-def _enqueue_log(run_dir: Path, scripts: dict[str, Any], *, cut_last: bool = False) -> None:
+def _enqueue_log(run_dir: Path, scripts: dict[str, Any], *, cut_last: bool = False,
+                 account: str = "a") -> None:
     from skiplock.reports.history import ENQUEUE_LOG, ENQUEUES_FILE, EnqueueOp, LogWriter
 
     with LogWriter(run_dir / ENQUEUES_FILE, ENQUEUE_LOG) as writer:
         for job, script in scripts.items():
             writer.write(EnqueueOp(type="invoke", job_id=job, time=1.0, process="p",
-                                   account="a", script=script.to_json(), max_attempts=3))
+                                   account=account, script=script.to_json(), max_attempts=3))
             writer.write(EnqueueOp(type="ok", job_id=job, time=1.1, process="p"))
     if cut_last:
         path = run_dir / ENQUEUES_FILE
@@ -438,6 +440,47 @@ def test_an_aimed_pause_ends_when_a_reclaim_of_its_job_has_run_long_enough() -> 
     assert event.data["resumed"] == "reclaimed"
     assert (event.data["reclaimed_job"], event.data["reclaimed_by"],
             event.data["reclaimed_attempt"]) == ("j1", "w1", 2)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_an_aimed_pause_freezes_a_worker_whose_job_is_redelivered_slowly(
+        tmp_path: Path, seed: int) -> None:
+    # Once its lease passes on, only a job whose next delivery runs long (slow_then_slower:
+    # 0.8 s) keeps a call running that the pause can be woken for; a quick one has ended.
+    # A limited account's job is passed over: its re-claim may queue behind the account's
+    # backlog past the pause.
+    scripts = spec_mod.load("pause-workers").scripts()
+    _enqueue_log(tmp_path, {"slow": scripts["slow_then_slower"], "quick": scripts["succeed"],
+                            "retry": scripts["fail_then_succeed"]})
+    _enqueue_log(tmp_path, {"slow-limited": scripts["slow_then_slower"]}, account="tight")
+    now = time.time()
+    ctx = FakeContext(run_dir=tmp_path, holders=["w0", "w1", "w2", "w3"],
+                      held=[held("w0", "quick", 1, now), held("w1", "slow", 1, now),
+                            held("w2", "retry", 1, now), held("w3", "slow-limited", 1, now)],
+                      account_limits={"a": None, "tight": 2})
+    scheduled, _ = start([aimed(seed=seed)], ctx)
+    try:
+        wait_for(lambda: len(ctx.signals) == 1)
+    finally:
+        scheduled.stop()
+    assert ctx.signals[0] == ("w1", signal.SIGSTOP)
+
+
+def test_an_aimed_pause_takes_any_holder_when_none_holds_a_slow_redelivery(
+        tmp_path: Path) -> None:
+    scripts = spec_mod.load("pause-workers").scripts()
+    _enqueue_log(tmp_path, {"quick": scripts["succeed"]})
+    ctx = FakeContext(run_dir=tmp_path, holders=["w0"], held=[held("w0", "quick", 1, 0.0)])
+    asked = time.time()
+    scheduled, events = start([aimed(duration=0.2)], ctx)
+    try:
+        wait_for(lambda: len(events) == 1)
+    finally:
+        scheduled.stop()
+    assert ctx.signals[0] == ("w0", signal.SIGSTOP)
+    # The window starts when the worker was stopped, after the wait for a better one.
+    [event] = events
+    assert event.start >= asked + nemesis_worker.PREFER_WAIT_SECONDS
 
 
 def test_an_aimed_pause_with_no_reclaim_ends_after_its_duration() -> None:
