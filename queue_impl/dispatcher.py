@@ -113,6 +113,10 @@ RECEIPT_RETRY_LAST = 1.0
 # for more slots to free before claiming, so that a busy worker claims in batches, not one by
 # one.
 REFILL_GATHER_SECONDS = 0.01
+# With calls still in flight and fewer than half a batch of results gathered, a refilling
+# worker's writer waits this long before writing, so that a busy worker writes results in
+# batches, not one by one (each write is a transaction and a commit: the dearest call per job).
+WRITE_GATHER_SECONDS = 0.01
 # Past a backend's notify interval, before the claim that picks up un-notified enqueues: their
 # commits may land a little after the interval they started in.
 _RECHECK_SLACK = 0.01
@@ -373,6 +377,14 @@ class Dispatcher:
         return (not self.whole_batches or self._draining
                 or len(self._results) >= len(self._held))
 
+    def _worth_gathering(self) -> bool:
+        """Refill, busy: whether to let more results gather before writing (more calls in
+        flight than results waiting, and fewer than half a batch of those). Idle or draining,
+        a result is written at once."""
+        waiting = len(self._results)
+        return (not self.whole_batches and not self._draining and not self.stopping
+                and waiting < self.config.batch // 2 and len(self._calls) > waiting)
+
     async def _write_loop(self) -> None:
         """Write results by the gather policy: whatever gathered while the previous write
         ran goes in the next one. Returns once draining and nothing is left."""
@@ -383,6 +395,8 @@ class Dispatcher:
                 self._results_ready.clear()
                 await self._results_ready.wait()
                 continue
+            if self._worth_gathering():
+                await asyncio.sleep(WRITE_GATHER_SECONDS)
             batch, self._results = self._results, []
             async with self._lease_io:
                 results = [self._result(self._held[token].lease, call) for token, call in batch]
