@@ -262,7 +262,9 @@ def _kill_last_attempts(fault: Fault) -> list[str]:
         with state.lock:
             held: dict[str, dict[tuple[str, int], float]] = {}
             for lease in fault.ctx.leases_held():
-                if lease.worker not in state.killed:
+                # Mid-call only: a call that has ended (its result still to be written, which
+                # a busy writer gathers) would show the kill nothing a hang does not.
+                if lease.worker not in state.killed and not lease.answered:
                     held.setdefault(lease.worker, {})[(lease.job_id, lease.attempt)] = (
                         lease.claimed_at)
             aimed = last_attempts(held, state.jobs.read(), now=time.time(),

@@ -344,6 +344,20 @@ def test_an_aimed_kill_hits_only_a_worker_in_a_last_attempt_and_names_it(
                           "aimed": [{"worker": "w-2", "job_id": "hang", "attempt": 3}]}
 
 
+def test_an_aimed_kill_passes_over_a_last_attempt_whose_call_has_ended(
+        tmp_path: Path) -> None:
+    # Its result may wait a moment in a busy writer: killed then, the worker shows nothing
+    # a kill mid-call does not.
+    scripts = spec_mod.load("faulty-targets").scripts()
+    _enqueue_log(tmp_path, {"hang": scripts["always_hang"], "hang-2": scripts["always_hang"]})
+    long_ago = time.time() - 5.0
+    ctx = FakeContext(run_dir=tmp_path, holders=["w-1", "w-2"], held=[
+        held("w-1", "hang", 3, long_ago, answered=True), held("w-2", "hang-2", 3, long_ago)])
+    [event] = run_schedule([aimed_kill()], ctx, stop_after=0.3)
+    assert ctx.signals == [("w-2", signal.SIGKILL)]
+    assert event.target == "w-2"
+
+
 def test_aimed_kills_wait_for_a_last_attempt_and_never_kill_one_worker_twice(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nemesis_worker, "AIM_WAIT_SECONDS", 0.8)
