@@ -8,8 +8,9 @@ when to claim and when to write:
 
 - refill (the default): claim whatever slots are free, and write results as they come, each
   flush taking whatever gathered while the previous one ran (in batches under load, one by one
-  when idle). A slow or hanging call holds only its own slot: its batch-mates' results are
-  written, and their slots refilled, without waiting for it.
+  when idle); a busy worker lets a few more gather first (`WRITE_GATHER_SECONDS`). A slow or
+  hanging call holds only its own slot: its batch-mates' results are written, and their
+  slots refilled, without waiting for it.
 - whole batches (`refill = false`, and always for a backend whose claim stays open until its
   results are written, as pg-long-tx's does): claim a full batch, wait for its slowest call,
   write all its results in one call, then claim again.

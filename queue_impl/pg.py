@@ -86,7 +86,7 @@ class Role(Enum):
     """One connection per role, so a transaction held by one (the long-tx variant's claim)
     never swallows another's statements."""
 
-    LEASE = "lease"  # claim, receive, finish, renew, release
+    LEASE = "lease"  # claim, receive, finish, renew, release (autocommit: see `_one`)
     RECOVER = "recover"
     ENQUEUE = "enqueue"
     ADMIN = "admin"  # setup, accounts, snapshot
@@ -167,7 +167,10 @@ class PgQueue:
     def _connect(self, role: Role) -> Conn:
         conn: Conn = psycopg.connect(
             self._dsn,
-            autocommit=role is Role.LISTEN,
+            # The lease role's statements are mostly one a transaction (a receipt, a result
+            # write): alone on an autocommit session, each is one round trip with no BEGIN,
+            # COMMIT or pipeline to drive (`_one`); a claim opens its transaction (`_begin`).
+            autocommit=role in (Role.LISTEN, Role.LEASE),
             row_factory=dict_row,
             application_name=f"{_application_name(self.variant)}-{role.value}",
         )
@@ -176,6 +179,10 @@ class PgQueue:
             # committed while the first waited for the account locks); a DSN or server default
             # of REPEATABLE READ would also turn every lock wait into a serialization failure.
             conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+            if conn.autocommit:
+                # psycopg names the level only in a BEGIN it sends itself: an autocommit
+                # session's statements, and the BEGIN of `_begin`, take the session's.
+                conn.execute("SET default_transaction_isolation TO 'read committed'")
             conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
             apply_plan_settings(conn)
             if self._pinned is not None:
@@ -239,6 +246,7 @@ class PgQueue:
             conn = self._conn(role)
             try:
                 with conn.pipeline() if pipeline else nullcontext():
+                    _begin(conn)
                     yield conn
                     if commit:
                         # On failure the outcome is unknown; the caller sees the error as-is.
@@ -248,6 +256,25 @@ class PgQueue:
                 raise
             if commit and role is Role.LEASE:
                 self._open_claim = False
+
+    def _one(self, block: str, params: Mapping[str, Any], *, commit: bool = True
+             ) -> list[DictRow]:
+        """One lease statement as its own transaction: on the autocommit session, one round
+        trip. Inside the long-tx variant's open claim it joins that transaction, and commits
+        it unless `commit` is False. On failure the outcome is unknown; the caller sees the
+        error as-is."""
+        with self._locks[Role.LEASE]:
+            conn = self._conn(Role.LEASE)
+            try:
+                rows = self._run(conn, block, params)
+                if commit and conn.info.transaction_status != TransactionStatus.IDLE:
+                    conn.commit()
+            except BaseException:
+                self._rollback(Role.LEASE, conn)
+                raise
+            if commit:
+                self._open_claim = False
+        return rows
 
     def _run(self, conn: Conn, block: str, params: Mapping[str, Any]) -> list[DictRow]:
         cur = conn.execute(self._statements[block], params)
@@ -430,6 +457,7 @@ class PgQueue:
         with self._locks[Role.LEASE]:
             conn = self._conn(Role.LEASE)
             try:
+                _begin(conn)
                 # Two statements on purpose (see the claim block): the second one's snapshot
                 # is taken after the first one's account locks.
                 locked = [row["id"] for row in self._run(conn, lock_block, {"batch": batch})]
@@ -527,17 +555,13 @@ class PgQueue:
             return []
         if not self.receipts:
             return [WriteResult.APPLIED] * len(leases)
-        with self._tx(Role.LEASE, pipeline=True) as conn:
-            marked = conn.execute(self._statements["receive"], _items(leases))
-        applied = {row["ord"] for row in marked.fetchall()}
+        applied = {row["ord"] for row in self._one("receive", _items(leases))}
         return _write_results(len(leases), applied)
 
     def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
         if not results:
             return []
-        with self._tx(Role.LEASE, pipeline=True) as conn:
-            written = conn.execute(self._statements["finish"], _finish_params(results))
-        applied = {row["ord"] for row in written.fetchall()}
+        applied = {row["ord"] for row in self._one("finish", _finish_params(results))}
         return _write_results(len(results), applied)
 
     def finish_and_claim(
@@ -571,8 +595,8 @@ class PgQueue:
             return []
         if extend <= timedelta(0):
             raise ValueError("extend must be positive")
-        with self._tx(Role.LEASE, commit=not self._open_claim) as conn:
-            rows = self._run(conn, "renew", {**_items(leases), "extend": extend})
+        rows = self._one("renew", {**_items(leases), "extend": extend},
+                         commit=not self._open_claim)
         until = {row["ord"]: row["locked_until"] for row in rows}
         return [
             _replace_until(lease, until[i]) if i in until else None
@@ -582,8 +606,7 @@ class PgQueue:
     def release(self, leases: Sequence[Lease]) -> list[WriteResult]:
         if not leases:
             return []
-        with self._tx(Role.LEASE) as conn:
-            applied = {row["ord"] for row in self._run(conn, "release", _items(leases))}
+        applied = {row["ord"] for row in self._one("release", _items(leases))}
         return _write_results(len(leases), applied)
 
     def recover(self, limit: int = 100) -> int:
@@ -660,6 +683,13 @@ class PgQueue:
                 return cast(dict[str, Any], plan[0])
             finally:
                 conn.rollback()
+
+
+def _begin(conn: Conn) -> None:
+    """Open a transaction on an autocommit session that has none open (on any other, the
+    first statement opens it). Sent as it is, never prepared."""
+    if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+        conn.execute("BEGIN", prepare=False)
 
 
 def apply_plan_settings(conn: psycopg.Connection[Any]) -> None:

@@ -772,6 +772,30 @@ def test_schema_refuses_a_non_http_url_even_on_an_old_schema(
         conn.execute(insert, ["HTTPS://t/"])
 
 
+def test_the_autocommit_lease_session_reads_committed_whatever_the_default(
+        pg_dsn: str, fresh_schema: str) -> None:
+    """The lease session is autocommit (a receipt or a result write is one statement, one
+    round trip): its lone statements and the claim's own BEGIN run READ COMMITTED, not the
+    DSN's default, so a write racing recovery re-checks the row instead of failing."""
+    from skiplock.queue_impl.pg import Role, _begin
+
+    rr_dsn = psycopg.conninfo.make_conninfo(
+        pg_dsn, options=r"-c default_transaction_isolation=repeatable\ read")
+    queue = PgQueue(rr_dsn, schema=fresh_schema)
+    try:
+        queue.setup()
+        conn = queue._conn(Role.LEASE)
+        assert conn.autocommit
+        assert conn.execute("SHOW transaction_isolation").fetchone() == {
+            "transaction_isolation": "read committed"}
+        _begin(conn)
+        assert conn.execute("SHOW transaction_isolation").fetchone() == {
+            "transaction_isolation": "read committed"}
+        conn.rollback()
+    finally:
+        queue.close()
+
+
 @pytest.mark.parametrize("variant", ["pg", "pg-for-update", "pg-long-tx", "pg-naive"])
 def test_claims_work_when_the_server_defaults_to_repeatable_read(
     pg_dsn: str, fresh_schema: str, variant: str
