@@ -434,6 +434,16 @@ def wait_for(condition: Any, seconds: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+def until_recorded(faults: list[PlannedFault], ctx: FakeContext) -> list[FaultEvent]:
+    """Run the schedule until it has recorded one event; then stop it."""
+    scheduled, events = start(faults, ctx)
+    try:
+        wait_for(lambda: len(events) == 1)
+    finally:
+        scheduled.stop()
+    return events
+
+
 def test_an_aimed_pause_ends_when_a_reclaim_of_its_job_has_run_long_enough() -> None:
     ctx = FakeContext(holders=["w0"], held=[held("w0", "j1", 1, time.time())])
     scheduled, events = start([aimed()], ctx)
@@ -486,11 +496,7 @@ def test_an_aimed_pause_takes_any_holder_when_none_holds_a_slow_redelivery(
     _enqueue_log(tmp_path, {"quick": scripts["succeed"]})
     ctx = FakeContext(run_dir=tmp_path, holders=["w0"], held=[held("w0", "quick", 1, 0.0)])
     asked = time.time()
-    scheduled, events = start([aimed(duration=0.2)], ctx)
-    try:
-        wait_for(lambda: len(events) == 1)
-    finally:
-        scheduled.stop()
+    events = until_recorded([aimed(duration=0.2)], ctx)
     assert ctx.signals[0] == ("w0", signal.SIGSTOP)
     # The window starts when the worker was stopped, after the wait for a better one.
     [event] = events
@@ -500,12 +506,7 @@ def test_an_aimed_pause_takes_any_holder_when_none_holds_a_slow_redelivery(
 def test_an_aimed_pause_with_no_reclaim_ends_after_its_duration() -> None:
     ctx = FakeContext(holders=["w0"], held=[held("w0", "j1", 1, time.time())])
     before = time.time()
-    scheduled, events = start([aimed(duration=0.3)], ctx)
-    try:
-        wait_for(lambda: len(events) == 1)
-    finally:
-        scheduled.stop()
-    [event] = events
+    [event] = until_recorded([aimed(duration=0.3)], ctx)
     assert event.data["resumed"] == "duration" and event.end is not None
     assert before + 0.3 <= event.end
     assert ctx.signals == [("w0", signal.SIGSTOP), ("w0", signal.SIGCONT)]
