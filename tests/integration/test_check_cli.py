@@ -170,7 +170,15 @@ def test_bench_checker_small(tmp_path: Path) -> None:
     done = skiplock("bench", "checker", "--deliveries", "2000", "--out", out)
     assert done.returncode == 0, done.stderr
     assert "load" in done.stdout and "judge" in done.stdout and "total" in done.stdout
+    assert "cache" in done.stdout
     result = json.loads(out.read_text())
+    # The cache is written beside the check; the total counts what was left to wait for.
+    for check in ("cold", "warm"):
+        timings = result["seconds"][check]
+        assert timings["cache_seconds"] >= 0
+        assert timings["total_seconds"] == pytest.approx(
+            timings["load_seconds"] + timings["judge_seconds"] + timings["cache_seconds"],
+            abs=1e-3)
     assert result["parameters"]["deliveries"] == 2000
     assert result["valid"] is True
     assert {"machine", "packages", "git", "seconds"} <= set(result)
