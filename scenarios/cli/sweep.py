@@ -372,11 +372,12 @@ def measure_step(run_dir: Path, *, objective: float) -> dict[str, Any]:
     meets = (p99 is not None and p99 <= objective and rate_ok
              and growth <= max(10.0, BACKLOG_GROWTH_SECONDS * offered))
     requested = float(spec_json["scenario"]["rate"])
-    hold = mean_lease_hold(run_dir, start, end)
+    hold, slot_hold = mean_holds(run_dir, start, end)
     return {"requested_per_second": requested, **producer_cpu(run_dir),
             "enqueue_p50_seconds": enqueue_p50,
             "lease_hold_seconds": None if hold is None else round(hold, 4),
-            "capacities": capacities(spec_json["scenario"], hold),
+            "slot_hold_seconds": None if slot_hold is None else round(slot_hold, 4),
+            "capacities": capacities(spec_json["scenario"], hold, slot_hold),
             # The producers could not offer the rate asked for: the harness, not the queue,
             # is the limit at this step, and it measures nothing about the queue's capacity.
             "producers_short": bool(requested > 0 and offered < DELIVERED_SHARE * requested),
@@ -442,37 +443,45 @@ def enqueue_sentence(step: dict[str, Any]) -> str:
             " limit, not the harness")
 
 
-def mean_lease_hold(run_dir: Path, start: float, end: float) -> float | None:
-    """How long a job held its slot on average during the load: from its claim to its result
-    written (the span an account's limit and a worker's batch count), from the worker logs."""
+def mean_holds(run_dir: Path, start: float, end: float) -> tuple[float | None, float | None]:
+    """How long a job held its lease and its worker's slot on average during the load, from
+    the worker logs: from its claim to its result written (the span an account's limit
+    counts), and from its claim to its call's end (a refilling worker frees the slot then,
+    before the result is written)."""
     frames = []
     for path in sorted((run_dir / WORKERS_DIR).glob(f"*{LOG_SUFFIX}")):
         with contextlib.suppress(ValueError, KeyError, pd.errors.EmptyDataError):
             frame = pd.read_csv(path, usecols=["kind", "job_id", "attempt", "time"],
                                 dtype={"job_id": str, "kind": str})
-            frames.append(frame[frame["kind"].isin(["claim", "write"])])
+            frames.append(frame[frame["kind"].isin(["claim", "http", "write"])])
     if not frames:
-        return None
+        return None, None
     events = pd.concat(frames, ignore_index=True)
     claims = events[events["kind"] == "claim"].groupby(["job_id", "attempt"])["time"].min()
-    writes = events[events["kind"] == "write"].groupby(["job_id", "attempt"])["time"].max()
-    held = (writes.reindex(claims.index) - claims).dropna()
-    held = held[(claims.reindex(held.index) >= start) & (claims.reindex(held.index) < end)]
-    return float(held.mean()) if len(held) else None
+    in_load = claims[(claims >= start) & (claims < end)]
+
+    def mean_until(kind: str) -> float | None:
+        ends = events[events["kind"] == kind].groupby(["job_id", "attempt"])["time"].max()
+        held = (ends.reindex(in_load.index) - in_load).dropna()
+        return float(held.mean()) if len(held) else None
+
+    return mean_until("write"), mean_until("http")
 
 
-def capacities(scenario: dict[str, Any], hold: float | None) -> dict[str, float]:
+def capacities(scenario: dict[str, Any], hold: float | None,
+               slot_hold: float | None = None) -> dict[str, float]:
     """The rates a step's slots allow, by Little's law (slots / seconds a job holds one):
-    the accounts' limits together (when every account has one) and the workers' batches."""
-    if not hold or hold <= 0:
-        return {}
+    the accounts' limits together (when every account has one), counted over `hold` (claim
+    to result written), and the workers' batches, over `slot_hold` (claim to call's end)
+    when the workers refill their slots as calls end, else over `hold`."""
     found: dict[str, float] = {}
     limits = list((scenario.get("accounts") or {}).values())
-    if limits and all(isinstance(v, int) for v in limits):
+    if hold and hold > 0 and limits and all(isinstance(v, int) for v in limits):
         found[f"account slots ({sum(limits)} in all)"] = round(sum(limits) / hold, 1)
     workers, batch = scenario.get("workers"), scenario.get("batch")
-    if isinstance(workers, int) and isinstance(batch, int):
-        found[f"workers' slots ({workers} x {batch})"] = round(workers * batch / hold, 1)
+    worker_hold = slot_hold if scenario.get("refill", True) and slot_hold else hold
+    if worker_hold and worker_hold > 0 and isinstance(workers, int) and isinstance(batch, int):
+        found[f"workers' slots ({workers} x {batch})"] = round(workers * batch / worker_hold, 1)
     return found
 
 
@@ -531,8 +540,11 @@ def _slot_bound(step: dict[str, Any]) -> str | None:
     name = min(caps, key=lambda k: caps[k])
     if step["delivered_per_second"] < BINDING_SHARE * caps[name]:
         return None
-    return (f"{name}: each job held its slot {step['lease_hold_seconds'] * 1000:.0f} ms from"
-            f" claim to result written, so they allow about {caps[name]:g} jobs/s"
+    workers_slot = name.startswith("workers'") and step.get("slot_hold_seconds")
+    held, until = ((step["slot_hold_seconds"], "its call's end") if workers_slot
+                   else (step["lease_hold_seconds"], "result written"))
+    return (f"{name}: each job held its slot {held * 1000:.0f} ms from claim to {until},"
+            f" so they allow about {caps[name]:g} jobs/s"
             f" (delivered {step['delivered_per_second']:g}/s)")
 
 

@@ -67,6 +67,22 @@ def test_slot_capacities_by_littles_law() -> None:
     assert capacities(scenario, None) == {}
 
 
+def test_a_refilling_workers_slots_are_counted_to_the_calls_end() -> None:
+    # A refilling worker frees a slot when its call ends; the result is written after (a
+    # busy writer gathers results first), while the account's limit still counts the job.
+    scenario = {"accounts": {"a": 4}, "workers": 2, "batch": 10}
+    assert capacities(scenario, 0.05, 0.04) == {"account slots (4 in all)": 80.0,
+                                                "workers' slots (2 x 10)": 500.0}
+    assert capacities({**scenario, "refill": False}, 0.05, 0.04)[
+        "workers' slots (2 x 10)"] == 400.0
+    caps = capacities({"accounts": {"a": None}, "workers": 2, "batch": 10}, 0.05, 0.04)
+    step = _step(400, False, delivered_per_second=450.0, lease_hold_seconds=0.05,
+                 slot_hold_seconds=0.04, capacities=caps, cpu={}, waits={})
+    said = bottleneck([step], knee=None)
+    assert "held its slot 40 ms from claim to its call's end" in said, said
+    assert "about 500 jobs/s" in said
+
+
 def test_the_bound_named_is_the_slots_the_delivered_rate_reached() -> None:
     scenario = {"accounts": {"a": 4, "b": 3, "c": 2, "d": 8}, "workers": 2, "batch": 10}
     caps = capacities(scenario, 0.05)
