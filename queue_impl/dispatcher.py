@@ -117,6 +117,7 @@ REFILL_GATHER_SECONDS = 0.01
 # With calls still in flight and fewer than half a batch of results gathered, a refilling
 # worker's writer waits this long before writing, so that a busy worker writes results in
 # batches, not one by one (each write is a transaction and a commit: the dearest call per job).
+# The price: each lease, and so a limited account's slot, is held up to this much longer.
 WRITE_GATHER_SECONDS = 0.01
 # Past a backend's notify interval, before the claim that picks up un-notified enqueues: their
 # commits may land a little after the interval they started in.
