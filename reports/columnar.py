@@ -140,7 +140,8 @@ class Entry:
 class BackgroundWrites:
     """Cache writes run on one thread of their own while the check goes on: the cache
     serves the next check, so this one does not wait for it before judging. Leaving the
-    `with` block waits for every write (nothing is left half-done at exit)."""
+    `with` block waits for every write (nothing is left half-done at exit); left on an
+    error or Ctrl-C, it drops the writes not yet started."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skiplock-cache")
@@ -151,8 +152,8 @@ class BackgroundWrites:
     def __enter__(self) -> BackgroundWrites:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=True)
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
 
 
 def lookup(source: Path, schemas: Sequence[pa.Schema]) -> Entry:

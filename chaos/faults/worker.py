@@ -104,9 +104,8 @@ class _EnqueuedJobs:
     """Jobs of a run read from enqueues.csv as it grows: only whole lines, each `invoke`
     once, each kept or not by `_take_invoke`."""
 
-    def __init__(self, run_dir: Path, http_timeout_seconds: float) -> None:
+    def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / ENQUEUES_FILE
-        self.http_timeout_seconds = http_timeout_seconds
         self._offset = 0
         self._partial = b""
         self._names: list[str] | None = None
@@ -152,7 +151,8 @@ class ExhaustingJobs(_EnqueuedJobs):
     counts on."""
 
     def __init__(self, run_dir: Path, http_timeout_seconds: float) -> None:
-        super().__init__(run_dir, http_timeout_seconds)
+        super().__init__(run_dir)
+        self.http_timeout_seconds = http_timeout_seconds
         self.jobs: dict[str, int] = {}
 
     def read(self) -> dict[str, int]:
@@ -175,21 +175,20 @@ class LongRedeliveries(_EnqueuedJobs):
     worker to hold such a job: once its lease passes on, the new holder's call is still
     running when the paused worker is woken."""
 
-    def __init__(self, run_dir: Path, http_timeout_seconds: float, seconds: float,
+    def __init__(self, run_dir: Path, seconds: float,
                  account_limits: Mapping[str, int | None]) -> None:
-        super().__init__(run_dir, http_timeout_seconds)
+        super().__init__(run_dir)
         self.seconds = seconds
         self.limited = {account for account, limit in account_limits.items()
                         if limit is not None}
-        self.long: set[str] = set()  # job ids
-        self.scripts: dict[str, JobScript] = {}
+        self.scripts: dict[str, JobScript] = {}  # job id -> script, unlimited accounts' only
 
     def holders(self, held: Sequence[HeldLease]) -> set[str]:
         """The workers in `held` that hold an attempt whose next delivery runs long."""
         self._read()
         return {lease.worker for lease in held
-                if lease.job_id in self.long
-                and self._runs_long(self.scripts[lease.job_id].step_for(lease.attempt + 1))}
+                if (script := self.scripts.get(lease.job_id)) is not None
+                and self._runs_long(script.step_for(lease.attempt + 1))}
 
     def _runs_long(self, step: Step) -> bool:
         if step.behaviour is Behaviour.HANG_FOREVER:
@@ -198,47 +197,27 @@ class LongRedeliveries(_EnqueuedJobs):
 
     def _take_invoke(self, row: Mapping[str, Any], script: JobScript) -> None:
         if row["account"] not in self.limited:
-            job_id = str(row["job_id"])
-            self.long.add(job_id)
-            self.scripts[job_id] = script
+            self.scripts[str(row["job_id"])] = script
 
 
 class _Aiming:
-    """What aimed kills share over one run: its exhausting jobs, and the workers already
+    """What aimed faults share over one run: its exhausting jobs and the workers already
     killed (a process stays visible for a moment after its SIGKILL; firings whose waits
-    overlap must not both spend themselves on it)."""
+    overlap must not both spend themselves on it), for aimed kills; its long redeliveries,
+    for aimed pauses."""
 
     def __init__(self, ctx: NemesisContext) -> None:
         self.jobs = ExhaustingJobs(ctx.run_dir, ctx.http_timeout_seconds)
         self.killed: set[str] = set()
         self.lock = threading.Lock()
+        # Long enough that the call still runs when a re-claim is old enough to wake for.
+        self.long = LongRedeliveries(ctx.run_dir, seconds=2 * RECLAIM_MIN_AGE_SECONDS,
+                                     account_limits=ctx.account_limits)
 
 
 # One per run (a fault lives for one firing; the run's context outlives them all).
 _AIMING: weakref.WeakKeyDictionary[Any, _Aiming] = weakref.WeakKeyDictionary()
 _AIMING_LOCK = threading.Lock()
-
-
-_LONG_REDELIVERIES: weakref.WeakKeyDictionary[Any, LongRedeliveries] = (
-    weakref.WeakKeyDictionary())
-
-
-def _long_redeliveries(ctx: NemesisContext) -> LongRedeliveries:
-    """The run's reader of long redeliveries, shared by its aimed pauses."""
-    def new() -> LongRedeliveries:
-        # Long enough that the call still runs when a re-claim is old enough to wake for.
-        return LongRedeliveries(ctx.run_dir, ctx.http_timeout_seconds,
-                                seconds=2 * RECLAIM_MIN_AGE_SECONDS,
-                                account_limits=ctx.account_limits)
-
-    with _AIMING_LOCK:
-        try:
-            found = _LONG_REDELIVERIES.get(ctx)
-            if found is None:
-                found = _LONG_REDELIVERIES[ctx] = new()
-        except TypeError:  # a context that cannot be weakly keyed: nothing shared
-            found = new()
-        return found
 
 
 def _aiming(ctx: NemesisContext) -> _Aiming:
@@ -336,7 +315,7 @@ class PauseWorker(Fault):
             # A worker holding a job whose next delivery runs long, of an unlimited account:
             # once another worker has that job again (at once), its call is still running
             # when this one is woken.
-            prefer = _long_redeliveries(self.ctx).holders
+            prefer = _aiming(self.ctx).long.holders
         with _STOPPED_LOCK:
             self._paused = _choose_holders(self, exclude={w for r, w in _STOPPED if r == run},
                                            prefer=prefer)

@@ -243,3 +243,40 @@ def test_each_run_directory_gets_its_own_cache(tmp_path: Path,
     assert f"{DELIVERIES_DIR}/target-1.csv.arrow" not in cached_files(main)
     no_parsing(monkeypatch)
     assert judged(check_run([main, extra_dir])) == judged(first)
+
+
+class _Entry:
+    """Stands in for a cache entry: records each store; the first waits to be let go."""
+
+    def __init__(self, stored: list[str], name: str, gate: Any = None,
+                 began: Any = None) -> None:
+        self.stored, self.name, self.gate, self.began = stored, name, gate, began
+
+    def store(self, table: Any, *, read_bytes: int) -> bool:
+        if self.gate is not None:
+            self.began.set()
+            self.gate.wait(5)
+        self.stored.append(self.name)
+        return True
+
+
+def test_background_writes_finish_on_leaving_and_drop_the_unstarted_on_an_error() -> None:
+    import threading
+
+    stored: list[str] = []
+    with columnar.BackgroundWrites() as writes:
+        for name in ("a", "b"):
+            writes.store(_Entry(stored, name), None, read_bytes=0)  # type: ignore[arg-type]
+    assert stored == ["a", "b"]  # every write ended before the block was left
+
+    stored.clear()
+    gate, began = threading.Event(), threading.Event()
+    with pytest.raises(KeyboardInterrupt), columnar.BackgroundWrites() as writes:
+        first = _Entry(stored, "started", gate, began)
+        writes.store(first, None, read_bytes=0)  # type: ignore[arg-type]
+        writes.store(_Entry(stored, "queued"), None, read_bytes=0)  # type: ignore[arg-type]
+        assert began.wait(5)
+        threading.Timer(0.2, gate.set).start()
+        raise KeyboardInterrupt
+    # The write under way finished (never half-done); the one not started was dropped.
+    assert stored == ["started"]
