@@ -51,6 +51,13 @@ class WorkerSettings:
     # (False; also used for a backend whose claim stays open until its results are written,
     # as pg-long-tx's does).
     refill: bool = _setting(True, "refill")
+    # Refill, busy (calls still in flight, fewer than half a batch of results waiting): how
+    # long the writer lets more results gather before writing, so that a busy worker writes in
+    # batches, not one by one (each write is a round trip and a commit: the dearest call per
+    # job). 0 writes each result as it comes. The price: each lease, and so a limited
+    # account's slot, is held up to this much longer. The wait comes out of the write margin,
+    # so it is never longer than the margin (`gather_seconds`).
+    write_gather_seconds: float = _setting(0.01, "write_gather")
     retry_base_seconds: float = _setting(1.0, "retry_base")
     retry_cap_seconds: float = _setting(60.0, "retry_cap")
     retry_jitter: float = _setting(0.5, "retry_jitter")
@@ -87,6 +94,10 @@ class WorkerSettings:
             raise ConfigError(
                 f"write margin must be 0 or more seconds (got {self.write_margin_seconds})"
             )
+        if not math.isfinite(self.write_gather_seconds) or self.write_gather_seconds < 0:
+            raise ConfigError(
+                f"write gather must be 0 or more seconds (got {self.write_gather_seconds})"
+            )
         try:
             self.retry_policy()
         except ValueError as exc:
@@ -102,6 +113,10 @@ class WorkerSettings:
                 "the lease, or another worker may take the job while this one still runs it "
                 "(raise the lease, lower the timeout, or pass --unsafe-timing for experiments)"
             )
+
+    def gather_seconds(self) -> float:
+        """How long results may gather: the write gather, within the write margin."""
+        return min(self.write_gather_seconds, self.write_margin_seconds)
 
     def retry_policy(self) -> RetryPolicy:
         return RetryPolicy(

@@ -8,7 +8,7 @@ when to claim and when to write:
 
 - refill (the default): claim whatever slots are free, and write results as they come, each
   flush taking whatever gathered while the previous one ran (in batches under load, one by one
-  when idle); a busy worker lets a few more gather first (`WRITE_GATHER_SECONDS`). A slow or
+  when idle); a busy worker lets a few more gather first (`write_gather_seconds`). A slow or
   hanging call holds only its own slot: its batch-mates' results are written, and their
   slots refilled, without waiting for it.
 - whole batches (`refill = false`, and always for a backend whose claim stays open until its
@@ -114,11 +114,6 @@ RECEIPT_RETRY_LAST = 1.0
 # for more slots to free before claiming, so that a busy worker claims in batches, not one by
 # one.
 REFILL_GATHER_SECONDS = 0.01
-# With calls still in flight and fewer than half a batch of results gathered, a refilling
-# worker's writer waits this long before writing, so that a busy worker writes results in
-# batches, not one by one (each write is a transaction and a commit: the dearest call per job).
-# The price: each lease, and so a limited account's slot, is held up to this much longer.
-WRITE_GATHER_SECONDS = 0.01
 # Past a backend's notify interval, before the claim that picks up un-notified enqueues: their
 # commits may land a little after the interval they started in.
 _RECHECK_SLACK = 0.01
@@ -178,6 +173,7 @@ class Dispatcher:
             config.retry_policy(), rng=seeded("retry", config.seed, worker_id)
         )
         self._lease = timedelta(seconds=config.lease_seconds)
+        self._gather = config.gather_seconds()
         # The gather policy (see the module doc): a backend whose claim stays open until its
         # results are written gets whole batches whatever the config says.
         self.whole_batches = not config.refill or (
@@ -194,6 +190,9 @@ class Dispatcher:
         # Set whenever a slot frees or a write lands: a whole batch may then be done.
         self._settled = asyncio.Event()
         self._results_ready = asyncio.Event()
+        # Set when a result write lands: it frees its account's slot, so a claim that came
+        # back short of a limited account's jobs may take more now.
+        self._written = asyncio.Event()
         # Set when leases join `_held`: the renewer's next due time may be sooner.
         self._held_added = asyncio.Event()
         self._draining = False
@@ -262,6 +261,7 @@ class Dispatcher:
                 free = await self._free_slots()
                 if free <= 0:
                     continue
+                self._written.clear()
                 claim_sent = time.monotonic()
                 leases = await self._claim(free)
                 if leases is None:
@@ -272,10 +272,15 @@ class Dispatcher:
                         await self._until_settled()
                     if self.stopping or self.whole_batches or len(leases) == free:
                         continue
-                # Nothing (more) is due. Idle, wait for a notification; busy, for a slot to
-                # free (new work is then claimed with it) or the poll interval.
-                if self._calls:
-                    await self._wait_or_stop(self._slot_freed, self.config.poll_seconds)
+                # Nothing (more) is due, or only jobs of accounts at their limits. Holding
+                # leases, wait for a result write to land (or the poll interval): it frees its
+                # account's slot, which a call's end does not, and follows that end within the
+                # gather, so claiming at the call's end would find the account still full.
+                # Only giving leases back, wait for a slot to free; idle, for a notification.
+                if self._held:
+                    await self._wait_or_stop(self.config.poll_seconds, self._written)
+                elif self._calls:
+                    await self._wait_or_stop(self.config.poll_seconds, self._slot_freed)
                 else:
                     await self._idle()
         finally:
@@ -303,10 +308,10 @@ class Dispatcher:
         self._slot_freed.clear()
         free = self.config.batch - len(self._calls)
         if free <= 0:
-            await self._wait_or_stop(self._slot_freed, self.config.poll_seconds)
+            await self._wait_or_stop(self.config.poll_seconds, self._slot_freed)
             return 0
         if self._calls and free < (self.config.batch + 1) // 2:
-            await self._wait_or_stop(self._slot_freed, REFILL_GATHER_SECONDS)
+            await self._wait_or_stop(REFILL_GATHER_SECONDS, self._slot_freed)
             free = self.config.batch - len(self._calls)
             self._slot_freed.clear()
         return free
@@ -316,11 +321,11 @@ class Dispatcher:
         whose drain finishes the batch)."""
         while (self._calls or self._held) and not self.stopping:
             self._settled.clear()
-            await self._wait_or_stop(self._settled, self.config.poll_seconds)
+            await self._wait_or_stop(self.config.poll_seconds, self._settled)
 
-    async def _wait_or_stop(self, event: asyncio.Event, seconds: float) -> None:
-        """Wait for `event`, a stop request, or `seconds`, whichever comes first."""
-        waits = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._stopping.wait())]
+    async def _wait_or_stop(self, seconds: float, *events: asyncio.Event) -> None:
+        """Wait for any of `events`, a stop request, or `seconds`, whichever comes first."""
+        waits = [asyncio.ensure_future(event.wait()) for event in (*events, self._stopping)]
         try:
             await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -384,7 +389,8 @@ class Dispatcher:
         flight than results waiting, and fewer than half a batch of those). Idle or draining,
         a result is written at once."""
         waiting = len(self._results)
-        return (not self.whole_batches and not self._draining and not self.stopping
+        return (self._gather > 0
+                and not self.whole_batches and not self._draining and not self.stopping
                 and waiting < self.config.batch // 2 and len(self._calls) > waiting)
 
     async def _write_loop(self) -> None:
@@ -398,7 +404,7 @@ class Dispatcher:
                 await self._results_ready.wait()
                 continue
             if self._worth_gathering():
-                await asyncio.sleep(WRITE_GATHER_SECONDS)
+                await asyncio.sleep(self._gather)
             batch, self._results = self._results, []
             async with self._lease_io:
                 results = [self._result(self._held[token].lease, call) for token, call in batch]
@@ -407,6 +413,7 @@ class Dispatcher:
                 await self._finish(results, held_until + self.config.lease_seconds)
                 for token, _ in batch:
                     self._held.pop(token, None)
+            self._written.set()
             self._settled.set()
 
     async def _renew_loop(self) -> None:

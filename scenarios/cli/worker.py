@@ -128,6 +128,14 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="idle poll interval (default %(default)s)",
     )
+    parser.add_argument(
+        "--write-gather",
+        type=float,
+        default=defaults.write_gather_seconds,
+        metavar="SECONDS",
+        help="how long a busy worker lets results gather before writing them, holding each "
+        "lease that much longer; 0 writes each at once (default %(default)s)",
+    )
 
 
 def _queue_arguments(parser: argparse.ArgumentParser) -> None:
@@ -232,6 +240,7 @@ def build_config(args: argparse.Namespace) -> NativeConfig:
         http_timeout_seconds=args.http_timeout,
         write_margin_seconds=args.write_margin,
         poll_seconds=args.poll,
+        write_gather_seconds=args.write_gather,
         recovery_enabled=not args.no_recovery,
         renew_leases=not args.no_renew,
         refill=not args.barrier,

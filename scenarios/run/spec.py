@@ -91,6 +91,8 @@ class ScenarioSpec:
     renew_leases: bool = True
     # Refill freed slots while other calls run; false: the batch barrier (docs/reference/cli.md).
     refill: bool = True
+    # Refill, busy: how long results may gather before they are written (0: each at once).
+    write_gather: float = 0.01
     unsafe_timing: bool = False
     # Retry policy and the oracle's max_attempts.
     retry_base: float = 0.2
@@ -199,6 +201,7 @@ class ScenarioSpec:
             "warmup": self.warmup,
             "rate": self.rate,
             "write_margin": self.write_margin,
+            "write_gather": self.write_gather,
             "retry_base": self.retry_base,
             "slow_seconds": self.slow_seconds,
             "hang_seconds": self.hang_seconds,
@@ -294,6 +297,13 @@ class ScenarioSpec:
     def account_weights(self) -> list[float]:
         """Each account's share, in sorted account order (unnamed accounts weigh 1)."""
         return [float(self.account_mix.get(a, 1.0)) for a in sorted(self.accounts)]
+
+    def account_shares(self) -> dict[str, float]:
+        """Each account's fraction of the jobs (its weight over all of them)."""
+        weights = self.account_weights()
+        total = sum(weights)  # positive in a valid spec (`_check_account_mix`)
+        return {a: w / total if total > 0 else 0.0
+                for a, w in zip(sorted(self.accounts), weights, strict=True)}
 
     def effective_hang_seconds(self) -> float:
         return self.hang_seconds if self.hang_seconds > 0 else self.http_timeout + 0.5

@@ -488,7 +488,8 @@ backends: st.SearchStrategy[str] = st.one_of(
 # --------------------------------------------------------------------------------------------
 
 _FLOAT_KEYS = ("warmup", "duration", "drain_timeout", "rate", "lease", "http_timeout",
-               "write_margin", "poll", "recovery_interval", "retry_base", "retry_cap",
+               "write_margin", "write_gather", "poll", "recovery_interval", "retry_base",
+               "retry_cap",
                "retry_jitter", "slow_seconds", "hang_seconds", "quiesce", "restart_delay")
 _INT_KEYS = ("producers", "users", "enqueue_batch", "workers", "batch", "max_attempts",
              "fail_times", "fail_status")
@@ -616,6 +617,7 @@ _PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "enqueue_batch": st.integers(1, 10), "distributed": st.booleans(),
     "workers": st.integers(1, 8), "batch": st.integers(1, 20), "lease": _seconds(10, 30),
     "http_timeout": _seconds(0.1, 3), "write_margin": _seconds(0, 5), "poll": _seconds(0.1, 2),
+    "write_gather": _seconds(0, 1),
     "recovery": st.booleans(), "recovery_interval": _seconds(0.1, 2),
     "renew_leases": st.booleans(), "refill": st.booleans(), "unsafe_timing": st.booleans(),
     "retry_base": _seconds(0, 1), "retry_cap": _seconds(1, 10), "retry_jitter": _seconds(0, 1),
