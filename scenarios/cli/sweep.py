@@ -55,7 +55,7 @@ from skiplock.reports.history import (
 from skiplock.reports.objectives import Objectives
 from skiplock.reports.selfdescribe import describe
 from skiplock.scenarios.bench.cpu import cpu_by_process, machine_cpu
-from skiplock.scenarios.run.spec import SpecError
+from skiplock.scenarios.run.spec import SpecError, from_mapping
 
 DELIVERED_SHARE = 0.9  # of the offered rate, for a step to meet the objective
 BACKLOG_GROWTH_SECONDS = 0.5  # of load: more growth than this is a backlog that grows
@@ -470,18 +470,24 @@ def mean_holds(run_dir: Path, start: float, end: float) -> tuple[float | None, f
 
 def capacities(scenario: dict[str, Any], hold: float | None,
                slot_hold: float | None = None) -> dict[str, float]:
-    """The rates a step's slots allow, by Little's law (slots / seconds a job holds one):
-    the accounts' limits together (when every account has one), counted over `hold` (claim
-    to result written), and the workers' batches, over `slot_hold` (claim to call's end)
-    when the workers refill their slots as calls end, else over `hold`."""
+    """The rates a step's slots allow, by Little's law (slots / seconds a job holds one),
+    as total offered rates: the limited account that fills first, counted over `hold` (claim
+    to result written; an account with limit L and a share s of the jobs fills at
+    L / (hold * s)), and the workers' batches, over `slot_hold` (claim to call's end) when
+    the workers refill their slots as calls end, else over `hold`."""
+    spec = from_mapping(scenario)
     found: dict[str, float] = {}
-    limits = list((scenario.get("accounts") or {}).values())
-    if hold and hold > 0 and limits and all(isinstance(v, int) for v in limits):
-        found[f"account slots ({sum(limits)} in all)"] = round(sum(limits) / hold, 1)
-    workers, batch = scenario.get("workers"), scenario.get("batch")
-    worker_hold = slot_hold if scenario.get("refill", True) and slot_hold else hold
-    if worker_hold and worker_hold > 0 and isinstance(workers, int) and isinstance(batch, int):
-        found[f"workers' slots ({workers} x {batch})"] = round(workers * batch / worker_hold, 1)
+    shares = spec.account_shares()
+    limited = {a: limit for a, limit in spec.accounts.items()
+               if limit is not None and shares[a] > 0}
+    if hold and hold > 0 and limited:
+        first = min(limited, key=lambda a: limited[a] / shares[a])
+        found[f"account {first}'s slots ({limited[first]}, {shares[first]:.0%} of the jobs)"] = (
+            round(limited[first] / (hold * shares[first]), 1))
+    worker_hold = slot_hold if spec.refill and slot_hold else hold
+    if worker_hold and worker_hold > 0:
+        found[f"workers' slots ({spec.workers} x {spec.batch})"] = round(
+            spec.workers * spec.batch / worker_hold, 1)
     return found
 
 
@@ -540,12 +546,17 @@ def _slot_bound(step: dict[str, Any]) -> str | None:
     name = min(caps, key=lambda k: caps[k])
     if step["delivered_per_second"] < BINDING_SHARE * caps[name]:
         return None
-    workers_slot = name.startswith("workers'") and step.get("slot_hold_seconds")
+    delivered = f" (delivered {step['delivered_per_second']:g}/s)"
+    if name.startswith("account "):
+        held = step["lease_hold_seconds"]
+        return (f"{name}: each job held its slot {held * 1000:.0f} ms from claim to result "
+                f"written, so the account is full from about {caps[name]:g} jobs/s offered"
+                + delivered)
+    workers_slot = step.get("slot_hold_seconds")
     held, until = ((step["slot_hold_seconds"], "its call's end") if workers_slot
                    else (step["lease_hold_seconds"], "result written"))
     return (f"{name}: each job held its slot {held * 1000:.0f} ms from claim to {until},"
-            f" so they allow about {caps[name]:g} jobs/s"
-            f" (delivered {step['delivered_per_second']:g}/s)")
+            f" so they allow about {caps[name]:g} jobs/s" + delivered)
 
 
 def bottleneck(steps: Sequence[dict[str, Any]], knee: float | None) -> str:

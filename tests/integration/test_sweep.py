@@ -36,8 +36,8 @@ def test_a_two_step_sweep_writes_its_result_and_plot(
         assert step["cpu"]["workers"] > 0, "the workers' CPU was not found"
         # What the step's slots allowed (Little's law), from its own claim and write times.
         assert 0 < step["lease_hold_seconds"] < 5
-        assert {"account slots (17 in all)", "workers' slots (2 x 10)"} <= set(
-            step["capacities"])
+        assert {"account initech's slots (2, 25% of the jobs)", "workers' slots (2 x 10)"
+                } == set(step["capacities"])
         # Producers and target sized to a light rate: one process each.
         assert step["producers"] == 1 and not step["distributed"]
         assert step["target_processes"] == 1

@@ -59,10 +59,17 @@ def test_bracket_needs_a_met_rate_below_a_missed_one() -> None:
 
 def test_slot_capacities_by_littles_law() -> None:
     scenario = {"accounts": {"a": 4, "b": 3, "c": 2, "d": 8}, "workers": 2, "batch": 10}
-    assert capacities(scenario, 0.05) == {"account slots (17 in all)": 340.0,
+    # Each account takes a quarter of the jobs: c, with 2 slots, fills first, at 2 slots /
+    # 0.05 s = 40 jobs/s of its own, when 160 jobs/s are offered in all.
+    assert capacities(scenario, 0.05) == {"account c's slots (2, 25% of the jobs)": 160.0,
                                           "workers' slots (2 x 10)": 400.0}
-    # An unlimited account: the accounts together set no bound.
-    assert list(capacities({**scenario, "accounts": {"a": 4, "b": None}}, 0.05)) == [
+    # Its share decides, not its limit alone: d with 8 slots and 80 % of the jobs fills first.
+    skewed = {**scenario, "account_mix": {"d": 12}}
+    assert capacities(skewed, 0.05)["account d's slots (8, 80% of the jobs)"] == 200.0
+    # An unlimited account sets no bound of its own; the limited one beside it still fills.
+    assert capacities({**scenario, "accounts": {"a": 4, "b": None}}, 0.05) == {
+        "account a's slots (4, 50% of the jobs)": 160.0, "workers' slots (2 x 10)": 400.0}
+    assert list(capacities({**scenario, "accounts": {"b": None}}, 0.05)) == [
         "workers' slots (2 x 10)"]
     assert capacities(scenario, None) == {}
 
@@ -71,7 +78,7 @@ def test_a_refilling_workers_slots_are_counted_to_the_calls_end() -> None:
     # A refilling worker frees a slot when its call ends; the result is written after (a
     # busy writer gathers results first), while the account's limit still counts the job.
     scenario = {"accounts": {"a": 4}, "workers": 2, "batch": 10}
-    assert capacities(scenario, 0.05, 0.04) == {"account slots (4 in all)": 80.0,
+    assert capacities(scenario, 0.05, 0.04) == {"account a's slots (4, 100% of the jobs)": 80.0,
                                                 "workers' slots (2 x 10)": 500.0}
     assert capacities({**scenario, "refill": False}, 0.05, 0.04)[
         "workers' slots (2 x 10)"] == 400.0
@@ -86,11 +93,12 @@ def test_a_refilling_workers_slots_are_counted_to_the_calls_end() -> None:
 def test_the_bound_named_is_the_slots_the_delivered_rate_reached() -> None:
     scenario = {"accounts": {"a": 4, "b": 3, "c": 2, "d": 8}, "workers": 2, "batch": 10}
     caps = capacities(scenario, 0.05)
+    # Past the point where c fills, the other accounts still deliver: more than c allows.
     near = _step(400, False, delivered_per_second=330.0, lease_hold_seconds=0.05,
                  capacities=caps, cpu={}, waits={})
     said = bottleneck([_step(200, True, capacities=caps), near], knee=200)
-    assert said.startswith("at 400 jobs/s: account slots (17 in all)")
-    assert "held its slot 50 ms" in said and "about 340 jobs/s" in said
+    assert said.startswith("at 400 jobs/s: account c's slots (2, 25% of the jobs)"), said
+    assert "held its slot 50 ms" in said and "full from about 160 jobs/s offered" in said
     far = {**near, "delivered_per_second": 120.0,
            "cpu": {"machine_busy": 0.95, "server": 0.9, "workers": 0.5, "harness": 0.2}}
     assert "the machine's CPUs (95% busy" in bottleneck([far], knee=None)
