@@ -258,5 +258,5 @@ def bullmq_e2e_phase(url: str, params: Any, say: Any) -> Any:
                 say(f"BullMQ end to end: {params.workers} Worker processes, concurrency "
                     f"{params.batch}, {params.duration:g} s")
                 go.set()
-                window = timed_window([p.pid for p in procs], target.pid, params.duration)
+                window = timed_window([p.pid for p in procs], target, params.duration)
         return judge_window(events, window, params)

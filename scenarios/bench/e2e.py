@@ -246,7 +246,7 @@ def e2e_phase(dsn: str, schema: str, params: Params, *,
                               params.workers, events)
             try:
                 pool.start()
-                window = timed_window(list(pool.pids), target.pid, params.duration)
+                window = timed_window(list(pool.pids), target, params.duration)
             finally:
                 pool.stop()
         return judge_window(events, window, params)

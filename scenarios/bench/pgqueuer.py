@@ -286,7 +286,7 @@ def pgqueuer_e2e_phase(dsn: str, params: Any, say: Any) -> Any:
                 say(f"pgqueuer end to end: {params.workers} QueueManager processes, "
                     f"{params.batch} in flight each, {params.duration:g} s")
                 go.set()
-                window = timed_window([p.pid for p in procs], target.pid, params.duration)
+                window = timed_window([p.pid for p in procs], target, params.duration)
         result = judge_window(events, window, params)
     return {**dataclasses.asdict(result), "version": version,
             "driver": "pgqueuer QueueManager (asyncpg), entrypoint POSTing with aiohttp"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import pandas as pd
 
@@ -35,6 +36,15 @@ class E2eResult:
     machine_busy: float | None = None
 
 
+class CountingTarget(Protocol):
+    """What a window needs of the target (`skiplock.chaos.target.TargetProcess`)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def stats(self, timeout: float = ...) -> dict[str, Any]: ...
+
+
 @dataclass(kw_only=True)
 class Window:
     """One phase's measured window: when it started, the CPU seconds of (workers, target)
@@ -46,20 +56,30 @@ class Window:
     machine: CpuWindow
 
 
-def timed_window(worker_pids: list[int | None], target_pid: int | None,
+def timed_window(worker_pids: list[int | None], target: CountingTarget,
                  duration: float) -> Window:
-    """Wait out one phase's window, saying each second."""
+    """Wait out one phase's window, saying each second how many deliveries the target has
+    seen so far."""
     machine = CpuWindow()
     machine.start()
     started = time.time()
-    before = _cpu(worker_pids), _cpu([target_pid])
+    before = _cpu(worker_pids), _cpu([target.pid])
     deadline = started + duration
     while (now := time.time()) < deadline:
         time.sleep(min(1.0, deadline - now))
-        _say(f"  {time.time() - started:4.0f} s")
-    after = _cpu(worker_pids), _cpu([target_pid])
+        _say(f"  {time.time() - started:4.0f} s  {_deliveries(target)}")
+    after = _cpu(worker_pids), _cpu([target.pid])
     machine.stop()
     return Window(started=started, before=before, after=after, machine=machine)
+
+
+def _deliveries(target: CountingTarget) -> str:
+    """The target's delivery count, for progress only: a count it could not give is left out
+    (the window is judged from the event logs, not from this)."""
+    try:
+        return f"{target.stats(timeout=0.5)['deliveries']:>9,} deliveries"
+    except (OSError, KeyError, RuntimeError, ValueError):
+        return ""
 
 
 def judge_window(events: Path, window: Window, params: Params) -> E2eResult:
