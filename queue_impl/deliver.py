@@ -171,11 +171,11 @@ class Deliverer:
 
     def _headers(self, lease: Lease) -> dict[str, str]:
         return {
-            JOB_ID_HEADER: str(lease.job_id),
+            JOB_ID_HEADER: lease.job_id_text,
             ATTEMPT_HEADER: str(lease.attempt),
             ACCOUNT_HEADER: lease.account_id,
             WORKER_HEADER: self.worker_id,
-            LEASE_HEADER: str(lease.lease_token),
+            LEASE_HEADER: lease.token_text,
         }
 
     async def _post_lean(self, client: Http11Client, target: VettedTarget, lease: Lease,

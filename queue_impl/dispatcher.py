@@ -64,7 +64,7 @@ import signal
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from skiplock.queue_impl.config import DispatcherConfig
@@ -76,6 +76,7 @@ from skiplock.queue_impl.events import (
     EventSink,
     FailedOp,
     claim_event,
+    emitter_of_many,
     log,
     one_line,
     release_event,
@@ -165,6 +166,7 @@ class Dispatcher:
         self.config = config
         self.worker_id = worker_id
         self._sink = sink
+        self._emit_many = emitter_of_many(sink)
         self._deliverer = Deliverer(
             config, worker_id, sink, guard=guard,
             after_success=lambda lease: self._failpoint("crash_after_http", lease))
@@ -464,8 +466,7 @@ class Dispatcher:
         are then received (`_receive`) and pass the crash_after_claim failpoint."""
         claimed_at = time.monotonic()
         sent = time.time() - (claimed_at - claim_sent)
-        for lease in leases:
-            self.emit("claim", **claim_event(lease, started=sent))
+        self._emit_many("claim", [claim_event(lease, started=sent) for lease in leases])
         if self.stopping:
             return False, None
         if not self._lease_fits(leases, claim_sent, claimed_at):
@@ -613,8 +614,8 @@ class Dispatcher:
             http_status=call.status,
             error=call.error,
             retry_delay=delay,
-            started_at=datetime.fromtimestamp(call.start).astimezone(),
-            finished_at=datetime.fromtimestamp(call.end).astimezone(),
+            started_at=datetime.fromtimestamp(call.start, UTC),
+            finished_at=datetime.fromtimestamp(call.end, UTC),
         )
 
     async def _finish(self, results: list[AttemptResult], held_until: float) -> None:
@@ -643,11 +644,12 @@ class Dispatcher:
                     exc)
                 await self._reconnect()
                 if not again:
-                    for result in results:
-                        self.emit("write", **write_event(result.lease, result.outcome, "info",
-                                                         failed, started))
+                    self._emit_many("write", [
+                        write_event(result.lease, result.outcome, "info", failed, started)
+                        for result in results])
                     return
                 await asyncio.sleep(pause)
+        events = []
         for result, write in zip(results, written, strict=True):
             # After a failed send, "fenced" may be the first send having committed: unknown.
             # "applied" is certain (had the first committed, the resend would be fenced).
@@ -655,8 +657,8 @@ class Dispatcher:
             if failed is not None and write is WriteResult.FENCED:
                 value = "info"
             error = result.error if failed is None or value == "applied" else failed
-            self.emit("write", **write_event(result.lease, result.outcome, value, error,
-                                             started))
+            events.append(write_event(result.lease, result.outcome, value, error, started))
+        self._emit_many("write", events)
     def _stall_in_claim(self) -> None:
         self.failpoints.stall_in_claim()
 

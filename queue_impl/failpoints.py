@@ -119,9 +119,9 @@ class Failpoints:
         """Record the failpoint and exit at once, with no cleanup, when it fires: this is
         the crash being simulated."""
         if self.fires(name):
-            sink("failpoint", {"name": name, "job_id": str(lease.job_id),
+            sink("failpoint", {"name": name, "job_id": lease.job_id_text,
                                "attempt": lease.attempt,
-                               "lease_token": str(lease.lease_token)})
+                               "lease_token": lease.token_text})
             os._exit(FAILPOINT_EXIT_CODE)
 
 

@@ -244,6 +244,10 @@ async def system_resolver(host: str, port: int) -> list[str]:
     return seen
 
 
+# The most vets a guard keeps (`UrlGuard._kept`); past it, it starts over.
+KEPT_VETS = 4096
+
+
 class UrlGuard:
     """Vets target URLs. One per worker process; `allow_targets` are `HOST:PORT` strings."""
 
@@ -256,6 +260,12 @@ class UrlGuard:
         self._allowed_addresses = {
             (ip, a.port) for a in self.allowed if (ip := a.address()) is not None
         }
+        # URL -> its vet, for vets that asked no resolver (an address written in the URL, or
+        # a URL refused before any lookup): the URL and the allow list alone decide those, so
+        # a worker calling one target vets its URL once, not once a job (the vet was 6 % of
+        # a busy worker's CPU). A host name is resolved on every vet, never kept: what it
+        # resolves to may change (DNS rebinding).
+        self._kept: dict[str, VettedTarget | str] = {}
 
     def _address_allowed(self, address: IPAddress, port: int) -> bool:
         if (address, port) in self._allowed_addresses:
@@ -268,15 +278,35 @@ class UrlGuard:
     async def vet(self, url: str) -> VettedTarget:
         """Check `url` and pick the address to connect to, or raise TargetRefused (never to
         be called) or ResolutionFailed (its name did not resolve)."""
-        scheme, host, port = _split_target_url(url)
-        literal_allowed = (host.rstrip("."), port) in self._allowed_hosts
-        literal = _canonical_ip_literal(host)
+        kept = self._kept.get(url)
+        if isinstance(kept, str):
+            raise TargetRefused(kept)
+        if kept is not None:
+            return kept
+        try:
+            scheme, host, port = _split_target_url(url)
+            literal = _canonical_ip_literal(host)
+            if literal is not None:
+                target = self._vetted(url, scheme, host, port, [literal], host_is_literal=True)
+        except TargetRefused as exc:
+            self._keep(url, str(exc))
+            raise
         if literal is not None:
-            addresses: list[IPAddress] = [literal]
-        else:
-            addresses = await self._resolve_addresses(host, port)
+            self._keep(url, target)
+            return target
+        addresses = await self._resolve_addresses(host, port)
+        return self._vetted(url, scheme, host, port, addresses, host_is_literal=False)
+
+    def _keep(self, url: str, vet: VettedTarget | str) -> None:
+        if len(self._kept) >= KEPT_VETS:
+            self._kept.clear()
+        self._kept[url] = vet
+
+    def _vetted(self, url: str, scheme: str, host: str, port: int,
+                addresses: list[IPAddress], *, host_is_literal: bool) -> VettedTarget:
+        literal_allowed = (host.rstrip("."), port) in self._allowed_hosts
         by_list = literal_allowed or self._check_every_address(
-            host, port, addresses, host_is_literal=literal is not None
+            host, port, addresses, host_is_literal=host_is_literal
         )
         return VettedTarget(
             url=url,

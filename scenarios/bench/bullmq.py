@@ -179,7 +179,7 @@ def _e2e_worker(url: str, config: Any, worker_id: str, events_path: str, ready: 
     from skiplock.plumbing.orphans import name_this_process
     from skiplock.queue_impl.bullmq_worker import run_bullmq_worker, run_in_own_loop
     from skiplock.reports.history import WORKER_LOG, LogWriter
-    from skiplock.scenarios.run.workers import log_sink
+    from skiplock.scenarios.run.workers import LogSink
 
     name_this_process("skiplock-worker")
     writer = LogWriter(Path(events_path), WORKER_LOG)
@@ -191,7 +191,7 @@ def _e2e_worker(url: str, config: Any, worker_id: str, events_path: str, ready: 
             await asyncio.sleep(0.005)
         asyncio.get_running_loop().call_later(duration, stop.set)
         await run_bullmq_worker(url, QUEUE_NAME, config, worker_id,
-                                log_sink(writer, worker_id), stop)
+                                LogSink(writer, worker_id), stop)
 
     try:
         run_in_own_loop(main())

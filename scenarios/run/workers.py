@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,6 @@ from skiplock.plumbing.errors import HarnessError, UsageError
 from skiplock.plumbing.orphans import die_with_parent, name_this_process
 from skiplock.queue_impl.config import DispatcherConfig, validate_worker_count
 from skiplock.queue_impl.dispatcher import BackendFactory, run_worker
-from skiplock.queue_impl.events import EventSink
 from skiplock.queue_impl.pg import APPLICATION_NAME_ENV
 from skiplock.reports.history import (
     LOG_SUFFIX,
@@ -42,20 +41,29 @@ from skiplock.reports.history import (
     LogWriter,
     parse_header,
     parse_row,
-    worker_event_record,
+    worker_event_line,
 )
 
 
-def log_sink(writer: LogWriter, worker_id: str, replaces: str | None = None) -> EventSink:
-    """The dispatcher's events as `WorkerEvent` records in `writer`'s log, one line each; a
-    replacement's `start` event names the worker it replaces."""
+class LogSink:
+    """The dispatcher's events as `WorkerEvent` records in `writer`'s log, one line each (a
+    batch of them in one write); a replacement's `start` event names the worker it
+    replaces."""
 
-    def sink(kind: str, fields: Mapping[str, Any]) -> None:
-        if kind == "start" and replaces is not None:
-            fields = {**fields, "replaces": replaces}
-        writer.write(worker_event_record(kind, worker_id, time.time(), fields))
+    def __init__(self, writer: LogWriter, worker_id: str, replaces: str | None = None) -> None:
+        self._writer = writer
+        self._worker_id = worker_id
+        self._replaces = replaces
 
-    return sink
+    def __call__(self, kind: str, fields: Mapping[str, Any]) -> None:
+        if kind == "start" and self._replaces is not None:
+            fields = {**fields, "replaces": self._replaces}
+        self._writer.write_text(worker_event_line(kind, self._worker_id, time.time(), fields))
+
+    def many(self, kind: str, events: Sequence[Mapping[str, Any]]) -> None:
+        now = time.time()
+        self._writer.write_text("".join(worker_event_line(kind, self._worker_id, now, fields)
+                                        for fields in events))
 
 
 def _worker_main(
@@ -88,7 +96,7 @@ def _worker_main(
     writer = LogWriter(Path(events_path), WORKER_LOG)
     try:
         # run_worker writes the `stop` event itself, on every way out but a crash.
-        run_worker(spec, config, worker_id, log_sink(writer, worker_id, replaces))
+        run_worker(spec, config, worker_id, LogSink(writer, worker_id, replaces))
     finally:
         writer.close()
 

@@ -45,7 +45,7 @@ from skiplock.queue_impl.interface import (
 from skiplock.queue_impl.pg import PgQueue
 from skiplock.queue_impl.ssrf import UrlGuard
 from skiplock.reports.history import LOG_SUFFIX, WORKER_LOG, LogWriter, read_log
-from skiplock.scenarios.run.workers import log_sink
+from skiplock.scenarios.run.workers import LogSink
 
 pytestmark = pytest.mark.integration
 
@@ -217,7 +217,7 @@ def recorded(worker_id: str) -> Iterator[tuple[list[Event], EventSink]]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{worker_id}{LOG_SUFFIX}"
         with LogWriter(path, WORKER_LOG) as writer:
-            to_log = log_sink(writer, worker_id)
+            to_log = LogSink(writer, worker_id)
 
             def sink(kind: str, fields: Mapping[str, Any]) -> None:
                 events.append((kind, dict(fields)))

@@ -26,6 +26,8 @@ from skiplock.reports.history import (
     WorkerEvent,
     read_log,
     to_record,
+    worker_event_line,
+    worker_event_record,
 )
 
 SCRIPT = {"name": "fail-then-ok", "first": {"behaviour": "status", "status": 503}, "times": 2,
@@ -267,3 +269,79 @@ def test_write_json_writes_into_a_device_instead_of_replacing_it(tmp_path: Path)
         os.close(reader)
     write_json(Path("/dev/null"), {"a": 1})
     assert stat.S_ISCHR(Path("/dev/null").stat().st_mode)
+
+
+_EVENT_VALUES = st.one_of(
+    st.none(), st.integers(-10, 10**6), st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12), st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(fields=st.dictionaries(
+    st.sampled_from([*WORKER_LOG.names, "data", "nonsense"]), _EVENT_VALUES, max_size=8))
+def test_a_worker_event_line_is_the_records_line(fields: dict[str, Any]) -> None:
+    """The workers' fast line is the line of the record it stands for, or the same refusal."""
+    def made(make: Any) -> str:
+        try:
+            return str(make())
+        except (ValueError, TypeError) as exc:
+            return f"refused: {type(exc).__name__}: {exc}"
+
+    kind, worker, when = "claim", "worker-0", 1733450000.123456
+    fast = made(lambda: worker_event_line(kind, worker, when, fields))
+    slow = made(lambda: WORKER_LOG.line(worker_event_record(kind, worker, when, fields)))
+    assert fast == slow
+
+
+def test_the_dispatchers_events_make_the_same_lines_both_ways() -> None:
+    import uuid
+    from datetime import UTC, datetime
+
+    from skiplock.queue_impl.events import (
+        Call,
+        claim_event,
+        http_event,
+        release_event,
+        renew_event,
+        write_event,
+    )
+    from skiplock.queue_impl.interface import Lease, Outcome
+
+    lease = Lease(job_id=uuid.uuid4(), account_id="acct", target_url="http://127.0.0.1:9/",
+                  payload={}, attempt=2, max_attempts=3, lease_token=uuid.uuid4(),
+                  locked_until=datetime.now(UTC), worker_id="worker-0")
+    call = Call(result="http_error", outcome=Outcome.TRANSIENT, status=503,
+                error='HTTP 503, "busy"\nretry', start=1.5, end=2.25)
+    events = [("claim", claim_event(lease, started=1.25)), ("http", http_event(lease, call)),
+              ("write", write_event(lease, Outcome.TRANSIENT, "applied", call.error, 2.5)),
+              ("release", release_event(lease, "fenced", "lease too short to send")),
+              ("renew", renew_event(lease, None)), ("start", {"pid": 42}),
+              ("error", {"op": "claim", "error": "OperationalError: gone"})]
+    for kind, fields in events:
+        assert worker_event_line(kind, "worker-0", 3.0, fields) == WORKER_LOG.line(
+            worker_event_record(kind, "worker-0", 3.0, fields)), kind
+
+
+def test_a_batch_of_events_is_logged_as_the_same_events_one_by_one(tmp_path: Path) -> None:
+    from skiplock.queue_impl.events import emitter_of_many
+    from skiplock.scenarios.run.workers import LogSink
+
+    events = [{"job_id": f"j-{i}", "attempt": 1, "lease_token": f"t-{i}", "started": 1.5}
+              for i in range(3)]
+    apart, together = tmp_path / "apart.csv", tmp_path / "together.csv"
+    with LogWriter(apart, WORKER_LOG) as writer:
+        sink = LogSink(writer, "worker-0")
+        for fields in events:
+            sink("claim", fields)
+    with LogWriter(together, WORKER_LOG) as writer:
+        emitter_of_many(LogSink(writer, "worker-0"))("claim", events)
+
+    def without_time(path: Path) -> list[dict[str, Any]]:
+        return [{k: v for k, v in row.items() if k != "time"}
+                for row in read_log(path, WORKER_LOG)]
+
+    assert without_time(together) == without_time(apart) and len(without_time(apart)) == 3
+    # A sink that takes one event at a time gets them one at a time.
+    seen: list[tuple[str, Any]] = []
+    emitter_of_many(lambda kind, fields: seen.append((kind, fields)))("claim", events)
+    assert seen == [("claim", fields) for fields in events]

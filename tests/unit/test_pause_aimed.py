@@ -22,7 +22,7 @@ from skiplock.chaos.nemesis import (
 from skiplock.reports.checker.common import DEFAULT_TOLERANCE_SECONDS
 from skiplock.reports.history import WORKER_LOG, LogWriter
 from skiplock.scenarios.run import spec as spec_mod
-from skiplock.scenarios.run.workers import _LeaseTracker, log_sink
+from skiplock.scenarios.run.workers import LogSink, _LeaseTracker
 
 # --- the spec ------------------------------------------------------------------------------
 
@@ -93,7 +93,7 @@ def test_a_later_attempt_of_a_watched_job_claimed_long_enough_ago_and_still_runn
 def test_the_tracker_sees_claims_answers_and_writes(tmp_path: Path) -> None:
     path = tmp_path / "w1.csv"
     writer = LogWriter(path, WORKER_LOG)
-    sink = log_sink(writer, "w1")
+    sink = LogSink(writer, "w1")
     tracker = _LeaseTracker()
 
     def event(kind: str, job: str, attempt: int, **more: Any) -> None:

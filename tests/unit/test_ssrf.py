@@ -289,3 +289,28 @@ def test_an_injected_resolver_raising_unicode_error_is_a_refusal() -> None:
 
     with pytest.raises(TargetRefused, match="not a valid host name"):
         asyncio.run(UrlGuard(resolver=failing).vet("http://hooks.example/"))
+
+
+def test_a_url_with_an_address_is_vetted_once_and_a_name_on_every_call() -> None:
+    """A vet that asked no resolver is kept (the URL and the allow list decide it); a name is
+    resolved again on every vet, so a name that rebinds to a private address is refused."""
+    answers = {"flip.example": [["93.184.216.34"], ["10.0.0.5"]]}
+    asked: list[str] = []
+
+    async def resolver(host: str, port: int) -> Sequence[str]:
+        asked.append(host)
+        return answers[host].pop(0)
+
+    async def vet_all() -> None:
+        guard = UrlGuard(["127.0.0.1:8080"], resolver=resolver)
+        first = await guard.vet("http://127.0.0.1:8080/deliver")
+        assert await guard.vet("http://127.0.0.1:8080/deliver") is first
+        for _ in range(2):  # a refusal kept is raised afresh, with its reason
+            with pytest.raises(TargetRefused, match="loopback"):
+                await guard.vet("http://127.0.0.1:9/")
+        assert (await guard.vet("http://flip.example/")).address == "93.184.216.34"
+        with pytest.raises(TargetRefused, match="private"):
+            await guard.vet("http://flip.example/")
+
+    asyncio.run(vet_all())
+    assert asked == ["flip.example", "flip.example"]
