@@ -41,6 +41,7 @@ as a connection error, transient: the queue retries the job, as it would any oth
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import re
 import socket
@@ -332,6 +333,8 @@ def _tokens(values: list[bytes] | None) -> list[bytes]:
 # --------------------------------------------------------------------------------------------
 
 
+# A worker calls the same few URLs over and over: parse each once.
+@functools.lru_cache(maxsize=4096)
 def request_target(url: str) -> str:
     """The path and query of `url` as sent on the request line (`/` for none; no fragment)."""
     return URL(url).raw_path_qs or "/"
