@@ -15,12 +15,13 @@ import os
 import signal
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from aiohttp import web
 from psycopg import sql
 
 from skiplock.scenarios.servers.postgres import DSN_ENV, PgServer, fresh_database, postgres
@@ -133,6 +134,31 @@ def pg_dsn(pg_server: PgServer) -> str:
 
 
 RatioCheck = Callable[[float | None, dict[str, Any], dict[str, Any]], None]
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Serving = Callable[[Mapping[str, Handler]], contextlib.AbstractAsyncContextManager[int]]
+
+
+@contextlib.asynccontextmanager
+async def _serving(routes: Mapping[str, Handler]) -> AsyncIterator[int]:
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+def loopback_target() -> Serving:
+    """`async with loopback_target({path: handler}) as port`: an HTTP server on loopback,
+    on the running event loop, answering POSTs to each path with its handler."""
+    return _serving
 
 
 @pytest.fixture

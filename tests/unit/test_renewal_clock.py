@@ -62,16 +62,9 @@ async def _slow(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-async def _first_renewal_after_send(refill: bool) -> tuple[float, list[str]]:
-    app = web.Application()
-    app.router.add_post("/slow", _slow)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return await _run_once(refill, port=runner.addresses[0][1])
-    finally:
-        await runner.cleanup()
+async def _first_renewal_after_send(refill: bool, serving: Any) -> tuple[float, list[str]]:
+    async with serving({"/slow": _slow}) as port:
+        return await _run_once(refill, port=port)
 
 
 async def _run_once(refill: bool, *, port: int) -> tuple[float, list[str]]:
@@ -100,8 +93,9 @@ async def _run_once(refill: bool, *, port: int) -> tuple[float, list[str]]:
 
 
 @pytest.mark.parametrize("refill", [True, False], ids=["refill", "whole-batches"])
-def test_the_first_renewal_is_timed_from_the_claims_send(refill: bool) -> None:
-    after, kinds = asyncio.run(_first_renewal_after_send(refill))
+def test_the_first_renewal_is_timed_from_the_claims_send(
+        refill: bool, loopback_target: Any) -> None:
+    after, kinds = asyncio.run(_first_renewal_after_send(refill, loopback_target))
     assert kinds.count("http") == 1 and kinds.count("write") == 1, kinds
     # Not before half the lease (a small allowance for the claim reaching its thread) ...
     assert after >= HALF - 0.1

@@ -9,10 +9,11 @@ write, and the target a loopback HTTP server whose answers end a few millisecond
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -22,6 +23,9 @@ from skiplock.queue_impl.config import DispatcherConfig
 from skiplock.queue_impl.dispatcher import Dispatcher
 from skiplock.queue_impl.interface import Account, AttemptResult, NewJob, WriteResult
 from skiplock.queue_impl.memory import InMemoryQueue
+
+# The `loopback_target` fixture (tests/conftest.py).
+Serving = Callable[[Mapping[str, Any]], contextlib.AbstractAsyncContextManager[int]]
 
 JOBS = 8
 STAGGER_SECONDS = 0.01  # job i's call ends about i * this after the claim
@@ -46,14 +50,8 @@ async def _answer_after(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-async def _write_sizes(gather: float) -> list[int]:
-    app = web.Application()
-    app.router.add_post("/after/{seconds}", _answer_after)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
+async def _write_sizes(gather: float, serving: Serving) -> list[int]:
+    async with serving({"/after/{seconds}": _answer_after}) as port:
         queue = CountingWrites()
         queue.upsert_accounts([Account(id="acct", concurrency_limit=None)])
         queue.enqueue([
@@ -77,13 +75,12 @@ async def _write_sizes(gather: float) -> list[int]:
         dispatcher = Dispatcher(queue, config, "worker-t", sink)
         await asyncio.wait_for(dispatcher.run(), timeout=30.0)
         return queue.write_sizes
-    finally:
-        await runner.cleanup()
 
 
 @pytest.mark.parametrize("gather", [GATHER_SECONDS, 0.0], ids=["gathering", "at-once"])
-def test_a_busy_worker_gathers_results_only_when_told_to(gather: float) -> None:
-    sizes = asyncio.run(_write_sizes(gather))
+def test_a_busy_worker_gathers_results_only_when_told_to(
+        gather: float, loopback_target: Serving) -> None:
+    sizes = asyncio.run(_write_sizes(gather, loopback_target))
     assert sum(sizes) == JOBS
     if gather:
         # The first result waits for the rest, which all end within the gather.
@@ -103,16 +100,10 @@ def test_results_gather_inside_the_write_margin() -> None:
         DispatcherConfig(write_gather_seconds=-0.01).validate()
 
 
-async def _tight_account_written_by(gather: float) -> float:
+async def _tight_account_written_by(gather: float, serving: Serving) -> float:
     """Seconds from the start until every job of an account limited to one slot is written,
     while an unlimited account's slow calls keep the worker busy."""
-    app = web.Application()
-    app.router.add_post("/after/{seconds}", _answer_after)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
+    async with serving({"/after/{seconds}": _answer_after}) as port:
         queue = InMemoryQueue()
         queue.upsert_accounts([Account(id="wide", concurrency_limit=None),
                                Account(id="tight", concurrency_limit=1)])
@@ -140,8 +131,6 @@ async def _tight_account_written_by(gather: float) -> float:
         dispatcher = Dispatcher(queue, config, "worker-t", sink)
         await asyncio.wait_for(dispatcher.run(), timeout=30.0)
         return max(tight_written)
-    finally:
-        await runner.cleanup()
 
 
 TIGHT_JOBS = 5
@@ -149,12 +138,12 @@ TIGHT_JOBS = 5
 
 @pytest.mark.parametrize("gather", [0.05, 0.0], ids=["gathering", "at-once"])
 def test_a_claim_short_of_a_full_account_is_sent_again_when_a_write_frees_it(
-        gather: float) -> None:
+        gather: float, loopback_target: Serving) -> None:
     """A limited account's slot frees when its job's result is written, not when its call
     ends: a worker whose claim came back short (the account was full) claims again once its
     own write lands, not at the next call's end or poll, so the account's jobs follow each
     other a write apart while other calls hold the worker."""
-    seconds = asyncio.run(_tight_account_written_by(gather))
+    seconds = asyncio.run(_tight_account_written_by(gather, loopback_target))
     # Five one-slot jobs a gather and a write apart; the slow calls end at 1.5 s, the poll
     # at 2 s: a worker waiting for either would take past 1.5 s.
     assert seconds < 1.2, f"the tight account's {TIGHT_JOBS} jobs took {seconds:.2f}s"
