@@ -43,6 +43,7 @@ def emitter_of_many(sink: EventSink) -> Callable[[str, Sequence[Mapping[str, Any
 
     return one_by_one
 
+
 # The backend call an `error` event names.
 FailedOp = Literal["recover", "claim", "receive", "finish", "renew", "release", "wait"]
 
