@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -139,20 +140,37 @@ class Entry:
 
 class BackgroundWrites:
     """Cache writes run on one thread of their own while the check goes on: the cache
-    serves the next check, so this one does not wait for it before judging. Leaving the
-    `with` block waits for every write (nothing is left half-done at exit); left on an
-    error or Ctrl-C, it drops the writes not yet started."""
+    serves the next check, so this one does not wait for it before judging. Writes stored
+    while the files are still being parsed wait until `release` (parsing keeps every core
+    busy; joining and judging keep only one); leaving the `with` block releases them and
+    waits for every write (nothing is left half-done at exit). Left on an error or Ctrl-C,
+    it drops the writes not yet started."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skiplock-cache")
+        self._held: list[tuple[Entry, pa.Table, int]] | None = []
+        self._lock = threading.Lock()
 
     def store(self, entry: Entry, table: pa.Table, *, read_bytes: int) -> None:
+        with self._lock:
+            if self._held is not None:
+                self._held.append((entry, table, read_bytes))
+                return
         self._pool.submit(entry.store, table, read_bytes=read_bytes)
+
+    def release(self) -> None:
+        """Start the writes held so far, and every later one as it comes."""
+        with self._lock:
+            held, self._held = self._held or [], None
+        for entry, table, read_bytes in held:
+            self._pool.submit(entry.store, table, read_bytes=read_bytes)
 
     def __enter__(self) -> BackgroundWrites:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if exc_type is None:
+            self.release()
         self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
 
 

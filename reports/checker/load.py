@@ -53,6 +53,8 @@ def read_history(run_dirs: Sequence[Path], cache_writes: columnar.BackgroundWrit
     kinds = log_kinds(dirs)
     refuse_repeats([p for _, paths, _ in kinds for p in paths], "a log", "file")
     read = read_parts([(p, source) for _, paths, source in kinds for p in paths], cache_writes)
+    # Parsing used every core; what follows uses one, and the cache writes can have another.
+    cache_writes.release()
     parts = iter(read)
     cut: dict[str, str] = {}  # file cut off -> its kind of log
     tables: list[Table] = []

@@ -425,11 +425,13 @@ def _read_csv(data: bytes | mmap.mmap, end: int, source: Source) -> pa.Table | N
     if table.column(source.filled).null_count:
         return None
     # A quote left open on the last line takes its line break into the value (the line-by-line
-    # reader does not): no writer leaves one, so such a file is read line by line.
-    for f in table.schema:
-        if pa.types.is_string(f.type) and pc.any(
-                pc.match_substring(table.column(f.name), "\n")).as_py():
-            return None
+    # reader does not): no writer leaves one, so such a file is read line by line. Only a
+    # quoted value can hold a line break: a file without a quote needs no look (a memchr).
+    if data.find(b'"', 0, end) >= 0:
+        for f in table.schema:
+            if pa.types.is_string(f.type) and pc.any(
+                    pc.match_substring(table.column(f.name), "\n")).as_py():
+                return None
     # Few fields ever hold an escape: look for a backslash before decoding any column.
     return _unescaped(table) if data.find(b"\\", 0, end) >= 0 else table
 

@@ -1698,3 +1698,25 @@ def test_a_last_attempt_a_kill_hid_only_while_it_was_due(tmp_path: Path, kill_at
     b.fault("kill_worker", kill_at, kill_at + 0.01, target="worker-9")
     verdict = check(b, tmp_path)
     assert verdict.valid is valid, verdict.examples
+
+
+def test_a_quote_left_open_on_the_last_line_is_named_as_the_line_reader_names_it(
+        tmp_path: Path) -> None:
+    """A last record whose quoted field is never closed: Arrow would take the line break
+    into the value, so the file is read line by line, which names the line; in a file with
+    no other quote as much as in one with quoted fields elsewhere."""
+    for name, extra in (("plain", None), ("quoted", 'said "hi", then left')):
+        b = RunBuilder()
+        succeed_once(b, "a", 100.0)
+        run_dir = b.write(tmp_path / name)
+        path = run_dir / "deliveries" / "target-0.csv"
+        if extra is not None:
+            rewrite_csv(path, extra=extra)
+            path.write_text(path.read_text() + '"never closed,lease-x,1,1,ok,200,101.1,101,'
+                            "target-0,worker-0,acct-0,1,a\n")
+        else:
+            path.write_text(path.read_text() + 'a,1,acct-0,worker-0,target-0,101,101.1,200,'
+                            '"never closed,1,1,\n')
+        lines = len(path.read_text().splitlines())
+        with pytest.raises(HistoryError, match=rf"target-0\.csv:{lines}\b"):
+            check_run([run_dir])

@@ -272,6 +272,7 @@ def test_background_writes_finish_on_leaving_and_drop_the_unstarted_on_an_error(
     stored.clear()
     gate, began = threading.Event(), threading.Event()
     with pytest.raises(KeyboardInterrupt), columnar.BackgroundWrites() as writes:
+        writes.release()
         first = _Entry(stored, "started", gate, began)
         writes.store(first, None, read_bytes=0)  # type: ignore[arg-type]
         writes.store(_Entry(stored, "queued"), None, read_bytes=0)  # type: ignore[arg-type]
@@ -280,3 +281,22 @@ def test_background_writes_finish_on_leaving_and_drop_the_unstarted_on_an_error(
         raise KeyboardInterrupt
     # The write under way finished (never half-done); the one not started was dropped.
     assert stored == ["started"]
+
+
+def test_background_writes_wait_for_release_and_a_held_one_is_dropped_on_an_error() -> None:
+    import threading
+
+    stored: list[str] = []
+    with columnar.BackgroundWrites() as writes:
+        writes.store(_Entry(stored, "held"), None, read_bytes=0)  # type: ignore[arg-type]
+        threading.Event().wait(0.2)
+        assert stored == []  # parsing is still under way: nothing written yet
+        writes.release()
+        writes.store(_Entry(stored, "after"), None, read_bytes=0)  # type: ignore[arg-type]
+    assert stored == ["held", "after"]
+
+    stored.clear()
+    with pytest.raises(KeyboardInterrupt), columnar.BackgroundWrites() as writes:
+        writes.store(_Entry(stored, "held"), None, read_bytes=0)  # type: ignore[arg-type]
+        raise KeyboardInterrupt
+    assert stored == []
