@@ -378,6 +378,8 @@ def measure_step(run_dir: Path, *, objective: float) -> dict[str, Any]:
             "lease_hold_seconds": None if hold is None else round(hold, 4),
             "slot_hold_seconds": None if slot_hold is None else round(slot_hold, 4),
             "capacities": capacities(spec_json["scenario"], hold, slot_hold),
+            # Whether the workers' slots are counted to the call's end (`workers_hold`).
+            "refill": from_mapping(spec_json["scenario"]).refill,
             # The producers could not offer the rate asked for: the harness, not the queue,
             # is the limit at this step, and it measures nothing about the queue's capacity.
             "producers_short": bool(requested > 0 and offered < DELIVERED_SHARE * requested),
@@ -468,6 +470,16 @@ def mean_holds(run_dir: Path, start: float, end: float) -> tuple[float | None, f
     return mean_until("write"), mean_until("http")
 
 
+def workers_hold(refill: bool, hold: float | None,
+                 slot_hold: float | None) -> tuple[float | None, str]:
+    """How long a job holds one of its worker's slots, and until when: to its call's end
+    (`slot_hold`) when the workers refill their slots as calls end, else until its result
+    is written (`hold`), which a barrier worker waits for before it claims again."""
+    if refill and slot_hold:
+        return slot_hold, "its call's end"
+    return hold, "result written"
+
+
 def capacities(scenario: dict[str, Any], hold: float | None,
                slot_hold: float | None = None) -> dict[str, float]:
     """The rates a step's slots allow, by Little's law (slots / seconds a job holds one),
@@ -484,7 +496,7 @@ def capacities(scenario: dict[str, Any], hold: float | None,
         first = min(limited, key=lambda a: limited[a] / shares[a])
         found[f"account {first}'s slots ({limited[first]}, {shares[first]:.0%} of the jobs)"] = (
             round(limited[first] / (hold * shares[first]), 1))
-    worker_hold = slot_hold if spec.refill and slot_hold else hold
+    worker_hold, _ = workers_hold(spec.refill, hold, slot_hold)
     if worker_hold and worker_hold > 0:
         found[f"workers' slots ({spec.workers} x {spec.batch})"] = round(
             spec.workers * spec.batch / worker_hold, 1)
@@ -552,9 +564,10 @@ def _slot_bound(step: dict[str, Any]) -> str | None:
         return (f"{name}: each job held its slot {held * 1000:.0f} ms from claim to result "
                 f"written, so the account is full from about {caps[name]:g} jobs/s offered"
                 + delivered)
-    workers_slot = step.get("slot_hold_seconds")
-    held, until = ((step["slot_hold_seconds"], "its call's end") if workers_slot
-                   else (step["lease_hold_seconds"], "result written"))
+    held, until = workers_hold(step.get("refill", True), step["lease_hold_seconds"],
+                               step.get("slot_hold_seconds"))
+    if held is None:
+        return None
     return (f"{name}: each job held its slot {held * 1000:.0f} ms from claim to {until},"
             f" so they allow about {caps[name]:g} jobs/s" + delivered)
 

@@ -88,6 +88,14 @@ def test_a_refilling_workers_slots_are_counted_to_the_calls_end() -> None:
     said = bottleneck([step], knee=None)
     assert "held its slot 40 ms from claim to its call's end" in said, said
     assert "about 500 jobs/s" in said
+    # A barrier worker claims again only when its results are written: its slots are
+    # counted, and named, over the lease hold, whatever the calls took.
+    barrier = capacities({"accounts": {"a": None}, "workers": 2, "batch": 10,
+                          "refill": False}, 0.05, 0.04)
+    said = bottleneck([{**step, "capacities": barrier, "refill": False,
+                        "delivered_per_second": 380.0}], knee=None)
+    assert "held its slot 50 ms from claim to result written" in said, said
+    assert "about 400 jobs/s" in said
 
 
 def test_the_bound_named_is_the_slots_the_delivered_rate_reached() -> None:
