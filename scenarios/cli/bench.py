@@ -13,6 +13,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "e2e": ("scenarios.bench.e2e", "the queue alone, then the full path, and their ratio"),
     "checker": ("scenarios.bench.checker", "seconds to check a synthetic history"),
     "target": ("scenarios.bench.target", "the echo target's capacity on its own"),
+    "dispatcher": ("scenarios.bench.dispatcher",
+                   "the dispatcher's event-loop CPU per job, without a database"),
     "http": ("scenarios.bench.http", "one HTTP call's client CPU, aiohttp against the lean client"),
     "recovery": ("scenarios.bench.recovery", "time back to the pre-fault rate after each fault"),
 }

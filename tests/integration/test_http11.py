@@ -530,3 +530,18 @@ def test_bench_http_times_both_clients_and_leaves_nothing_running(
         assert client["cpu_us_per_request"] > 0
     assert results["cpu_ratio_lean_to_aiohttp"] > 0
     assert not [p for p in multiprocessing.active_children() if p.is_alive()]
+
+
+def test_bench_dispatcher_delivers_every_job_and_prints_its_cpu_per_job(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "dispatcher.json"
+    code = cli_main(["bench", "dispatcher", "--jobs", "120", "--batch", "8", "--rounds", "2",
+                     "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "round 2:" in printed and "event loop CPU per job: median" in printed
+    results = json.loads(out.read_text())["results"]
+    assert [(r["jobs"], r["delivered"]) for r in results["rounds"]] == [(120, 120)] * 2
+    assert all(r["loop_cpu_us_per_job"] > 0 for r in results["rounds"])
+    assert results["loop_cpu_us_per_job_median"] > 0
+    assert not [p for p in multiprocessing.active_children() if p.is_alive()]
