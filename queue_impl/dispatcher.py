@@ -374,7 +374,16 @@ class Dispatcher:
             self.request_stop(f"error: {type(self._failure).__name__}")
 
     async def _call_and_queue(self, token: Any) -> None:
-        call = await self._deliverer.deliver(self._held[token].lease)
+        held = self._held[token]
+        if not self._still_fits(held):
+            # The process stood still between the claim's lease check and this call's start
+            # (SIGSTOP, a stalled loop): what is surely left of the lease no longer covers the
+            # call and its write, and the job may already be with its next holder. Given back
+            # unsent (fenced where it passed on), as a claim that took too long is.
+            del self._held[token]
+            await self._release([held.lease], reason=LEASE_TOO_SHORT)
+            return
+        call = await self._deliverer.deliver(held.lease)
         self._results.append((token, call))
         self._results_ready.set()
 
@@ -473,13 +482,24 @@ class Dispatcher:
             return False, LEASE_TOO_SHORT
         return True, None
 
+    def _still_fits(self, held: _Held) -> bool:
+        """Whether the call and the result write still fit in what is surely left of a held
+        lease (its last grant counts), checked again as each call starts: the claim's check
+        covers every call only if nothing stalls the process between them."""
+        if self.config.unsafe_timing:
+            return True
+        left = lease_left(self.config.lease_seconds, granted_after=held.granted_after,
+                          now=time.monotonic())
+        return not held.lost and (
+            left >= self.config.http_timeout_seconds + self.config.write_margin_seconds)
+
     def _lease_fits(self, leases: Sequence[Lease], claim_sent: float, claimed_at: float) -> bool:
         """Whether the call (its timeout covers the vetting) and the result write fit in what
         is surely left of the leases. Their clock started at the claim's UPDATE, not its
         COMMIT, so a commit that stalled can hand back leases that already ran out and that
         another worker has recovered and is delivering: calling now would deliver those jobs
-        twice at once and over their accounts' limits. Every call of the claim starts right
-        after this check, before any renewal, so one check covers each of them.
+        twice at once and over their accounts' limits. Each call checks again as it starts
+        (`_still_fits`), for a process that stood still after this check.
         `unsafe_timing` waives this rule as it waives the same rule in `validate`."""
         left = lease_left(self.config.lease_seconds, granted_after=claim_sent,
                           now=time.monotonic())

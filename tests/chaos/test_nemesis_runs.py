@@ -182,7 +182,11 @@ def test_an_aimed_kill_takes_a_last_attempt_in_flight_and_recovery_dead_letters_
             assert aimed["worker"] == kill["target"] and aimed["attempt"] == 2
             mine = [e for e in events if e["job_id"] == aimed["job_id"]
                     and e["worker"] == aimed["worker"] and e["attempt"] == "2"]
-            assert [e["kind"] for e in mine] == ["claim"], mine  # killed mid-call
+            # Killed before its result was written. Mostly mid-call; on a loaded machine the
+            # kill can land just after the call timed out (the tracker read the log before
+            # the worker wrote its http event), which still leaves the attempt unwritten.
+            kinds = [e["kind"] for e in mine]
+            assert kinds[:1] == ["claim"] and not {"write", "release"} & set(kinds), mine
             claimed = float(mine[0]["time"])
             assert claimed + 0.2 <= kill["start"] <= claimed + 1.0 + 0.5
             job = final[aimed["job_id"]]
