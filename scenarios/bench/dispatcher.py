@@ -1,16 +1,17 @@
 """`skiplock bench dispatcher`: the dispatcher's own CPU per job, without a database.
 
-The end-to-end rate on a two-core machine moves by a third between runs of the same code (the
-server, the workers and the target share the cores), so a change to the dispatcher is hard to
-see in it; this figure's rounds agree within about a tenth (runs minutes apart can differ
-more: alternate the versions compared). Here one `Dispatcher` runs in this process, on a queue that does next to nothing
-(`HandOverQueue`: ready leases in a deque), and delivers `--jobs` jobs to one echo target in
-its own process, with its events written to a worker log as a worker writes them (`LogSink`).
-The figure is the CPU of the thread that runs the event loop per job delivered: the claim
-bookkeeping, the SSRF vetting, the HTTP call, the result and the event lines. The queue's calls
-run in `asyncio.to_thread` helpers, as against PostgreSQL; their CPU (the thread hand-offs,
-mostly) is shown apart: the process's CPU minus the loop's.
-Each round has a fresh queue; a warm-up round runs first and is not counted.
+The end-to-end rate on a two-core machine moves by a third between runs of the same code
+(the server, the workers and the target share the cores), so a change to the dispatcher is
+hard to see in it; this figure's rounds agree within about a tenth (runs minutes apart can
+differ more: alternate the versions compared). Here one `Dispatcher` runs in this process,
+on a queue that does next to nothing (`HandOverQueue`: ready leases in a deque), and
+delivers `--jobs` jobs to one echo target in its own process, with its events written to a
+worker log as a worker writes them (`LogSink`). The figure is the CPU of the thread that
+runs the event loop per job delivered: the claim bookkeeping, the SSRF vetting, the HTTP
+call, the result and the event lines. The queue's calls run in `asyncio.to_thread` helpers,
+as against PostgreSQL; their CPU (the thread hand-offs, mostly) is shown apart: the
+process's CPU minus the loop's. Each round has a fresh queue; a warm-up round runs first and
+is not counted.
 """
 
 from __future__ import annotations
