@@ -4,6 +4,7 @@ percentile."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -107,6 +108,12 @@ def require_package(module: str, flag: str, install: str) -> str:
     except ImportError:
         raise UsageError(f"{flag} needs {module}: {install}") from None
     return version(module)
+
+
+def add_out(parser: argparse.ArgumentParser) -> None:
+    """`--out FILE`, for a benchmark that writes its result only when asked."""
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE",
+                        help="write the result as JSON to FILE")
 
 
 def result_path(out: Path | None, benchmark: str) -> Path:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import statistics
 import tempfile
@@ -33,7 +32,7 @@ from typing import Any
 
 from skiplock.chaos.target import TargetProcess
 from skiplock.plumbing.argtypes import positive_int
-from skiplock.plumbing.errors import HarnessError, UsageError
+from skiplock.plumbing.errors import HarnessError
 from skiplock.queue_impl.config import DispatcherConfig
 from skiplock.queue_impl.dispatcher import Dispatcher
 from skiplock.queue_impl.interface import (
@@ -47,6 +46,7 @@ from skiplock.queue_impl.interface import (
 )
 from skiplock.reports.history import SUCCEED, WORKER_LOG, LogWriter, write_json
 from skiplock.reports.selfdescribe import describe
+from skiplock.scenarios.bench.common import add_out, result_path
 from skiplock.scenarios.run.workers import LogSink
 
 WARMUP_JOBS = 500
@@ -67,10 +67,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--rounds", type=positive_int, default=3, metavar="R",
         help="timed rounds, each with a fresh queue (default %(default)d)",
     )  # fmt: skip
-    parser.add_argument(
-        "--out", type=Path, default=None, metavar="FILE",
-        help="write the result as JSON to FILE",
-    )  # fmt: skip
+    add_out(parser)
 
 
 class HandOverQueue:
@@ -216,10 +213,7 @@ def bench(*, jobs: int, batch: int, rounds: int) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     if args.out is not None:
-        with contextlib.suppress(OSError):
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-        if not args.out.parent.is_dir():
-            raise UsageError(f"cannot write {args.out}: its folder cannot be created")
+        result_path(args.out, "dispatcher")  # refused now, not after the benchmark ran
     result = bench(jobs=args.jobs, batch=args.batch, rounds=args.rounds)
     median = result["results"]["loop_cpu_us_per_job_median"]
     print(f"event loop CPU per job: median {median:.0f} us over {args.rounds} round(s) of "

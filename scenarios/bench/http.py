@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import tempfile
@@ -40,6 +39,7 @@ from skiplock.queue_impl.interface import (
 from skiplock.queue_impl.ssrf import PinnedResolver, UrlGuard, VettedTarget
 from skiplock.reports.history import SUCCEED, write_json
 from skiplock.reports.selfdescribe import describe
+from skiplock.scenarios.bench.common import add_out, result_path
 
 CLIENTS = ("aiohttp", "lean")
 TIMEOUT_SECONDS = 10.0
@@ -70,10 +70,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--warmup", type=_warmup, default=500, metavar="N",
         help="untimed requests per client before the rounds (default %(default)d)",
     )  # fmt: skip
-    parser.add_argument(
-        "--out", type=Path, default=None, metavar="FILE",
-        help="write the result as JSON to FILE",
-    )  # fmt: skip
+    add_out(parser)
 
 
 def _job() -> tuple[dict[str, str], dict[str, Any]]:
@@ -223,10 +220,7 @@ def bench(*, requests: int, concurrency: int, rounds: int, warmup: int) -> dict[
 
 def run(args: argparse.Namespace) -> int:
     if args.out is not None:
-        with contextlib.suppress(OSError):
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-        if not args.out.parent.is_dir():
-            raise UsageError(f"cannot write {args.out}: its folder cannot be created")
+        result_path(args.out, "http")  # refused now, not after the benchmark ran
     result = bench(requests=args.requests, concurrency=args.concurrency, rounds=args.rounds,
                    warmup=args.warmup)
     figures = result["results"]

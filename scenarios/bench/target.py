@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import tempfile
@@ -31,6 +30,7 @@ from skiplock.queue_impl.interface import (
 )
 from skiplock.reports.history import SUCCEED, write_json
 from skiplock.reports.selfdescribe import describe
+from skiplock.scenarios.bench.common import add_out, result_path
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -50,10 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--warmup", type=non_negative_float, default=1.0, metavar="S",
         help="seconds of load before measuring (default %(default)g)",
     )  # fmt: skip
-    parser.add_argument(
-        "--out", type=Path, default=None, metavar="FILE",
-        help="write the result as JSON to FILE",
-    )  # fmt: skip
+    add_out(parser)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,10 +269,7 @@ def bench(
 
 def run(args: argparse.Namespace) -> int:
     if args.out is not None:
-        with contextlib.suppress(OSError):
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-        if not args.out.parent.is_dir():
-            raise UsageError(f"cannot write {args.out}: its folder cannot be created")
+        result_path(args.out, "target")  # refused now, not after the benchmark ran
     result = bench(
         duration=args.duration,
         concurrency=args.concurrency,
