@@ -488,10 +488,14 @@ class Dispatcher:
         covers every call only if nothing stalls the process between them."""
         if self.config.unsafe_timing:
             return True
-        left = lease_left(self.config.lease_seconds, granted_after=held.granted_after,
-                          now=time.monotonic())
-        return not held.lost and (
-            left >= self.config.http_timeout_seconds + self.config.write_margin_seconds)
+        return not held.lost and self._call_fits(held.granted_after, now=time.monotonic())
+
+    def _call_fits(self, granted_after: float, *, now: float) -> bool:
+        """The lease rule every check applies: the HTTP call (its timeout covers the vetting)
+        and the result write fit in what is surely left at `now` of a lease granted by a
+        call sent at `granted_after`."""
+        left = lease_left(self.config.lease_seconds, granted_after=granted_after, now=now)
+        return left >= self.config.http_timeout_seconds + self.config.write_margin_seconds
 
     def _lease_fits(self, leases: Sequence[Lease], claim_sent: float, claimed_at: float) -> bool:
         """Whether the call (its timeout covers the vetting) and the result write fit in what
@@ -501,11 +505,11 @@ class Dispatcher:
         twice at once and over their accounts' limits. Each call checks again as it starts
         (`_still_fits`), for a process that stood still after this check.
         `unsafe_timing` waives this rule as it waives the same rule in `validate`."""
-        left = lease_left(self.config.lease_seconds, granted_after=claim_sent,
-                          now=time.monotonic())
-        needed = self.config.http_timeout_seconds + self.config.write_margin_seconds
-        if left >= needed or self.config.unsafe_timing:
+        now = time.monotonic()
+        if self.config.unsafe_timing or self._call_fits(claim_sent, now=now):
             return True
+        left = lease_left(self.config.lease_seconds, granted_after=claim_sent, now=now)
+        needed = self.config.http_timeout_seconds + self.config.write_margin_seconds
         log(
             f"{self.worker_id}: the claim took {claimed_at - claim_sent:.1f}s, so only "
             f"{max(left, 0.0):.1f}s of its leases is sure to be left, less than the HTTP "
@@ -581,9 +585,7 @@ class Dispatcher:
             except Exception as exc:
                 self._call_failed("receive", "confirming a claim's receipt failed", exc)
                 await self._reconnect()
-                left = lease_left(self.config.lease_seconds, granted_after=claim_sent,
-                                  now=time.monotonic() + pause)
-                if left < self.config.http_timeout_seconds + self.config.write_margin_seconds:
+                if not self._call_fits(claim_sent, now=time.monotonic() + pause):
                     await self._release(leases, reason=NOT_RECEIVED)
                     return []
                 await asyncio.sleep(pause)
