@@ -173,7 +173,7 @@ class JobUniverse:
     @classmethod
     def read(cls, enq: Table, tables: Sequence[Table]) -> JobUniverse:
         # Few distinct types: as a categorical, comparing a million of them is cheap.
-        types = pd.Series(pd.Categorical(pd.Series(enq.columns["type"], dtype=object)))
+        types = pd.Series(enq.categorical("type"))
         bad_type = ~types.isin(["invoke", "ok", "fail", "info"])
         if bad_type.any():
             row = int(np.flatnonzero(bad_type.to_numpy())[0])
@@ -326,14 +326,14 @@ def events_of(ev: Table, jobs: JobUniverse) -> pd.DataFrame:
     """Worker events, merged over every worker of every directory. Only writes need a field
     of `data` for every row; the rest is read for the few events that explain something."""
     ev.require_str("kind", "worker event")
-    known_kind = pd.Series(ev.columns["kind"], dtype=object).isin(get_args(WorkerEventKind))
+    # Few distinct kinds: as a categorical, the judge's comparisons on it are cheap.
+    kind = ev.categorical("kind")
+    known_kind = pd.Series(kind).isin(get_args(WorkerEventKind))
     if not known_kind.all():
         row = int(np.flatnonzero(~known_kind.to_numpy())[0])
         raise HistoryError(f"{ev.where(row)}: unknown worker event kind "
                            f"{ev.columns['kind'][row]!r}")
     result = np.full(len(ev.columns["kind"]), None, dtype=object)
-    # Few distinct kinds: as a categorical, the judge's comparisons on it are cheap.
-    kind = pd.Categorical(pd.Series(ev.columns["kind"], dtype=object))
     # The results the judge reads: a write's, and a release's (an applied release gave its
     # attempt back).
     writes = np.flatnonzero((kind == "write") | (kind == "release"))
@@ -377,7 +377,7 @@ def faults_of(nem: Table) -> list[dict[str, Any]]:
 
 def finals_of(fin: Table, jobs: JobUniverse) -> pd.DataFrame:
     fin.require_str("status", "final job state")
-    statuses = pd.Series(pd.Categorical(pd.Series(fin.columns["status"], dtype=object)))
+    statuses = pd.Series(fin.categorical("status"))
     known_status = statuses.isin([s.value for s in JobStatus])
     if not known_status.all():
         row = int(np.flatnonzero(~known_status.to_numpy())[0])

@@ -13,7 +13,7 @@ import os
 import stat
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -264,6 +264,7 @@ class Part:
     header_lines: int  # lines before the first record
     lines: list[int] | None = None  # line of each row, when blank lines were skipped
     empty: bool = False  # a CSV log of no bytes at all: cut off before its header
+    coded: dict[str, Coded] = field(default_factory=dict)  # text columns read by Arrow
 
 
 def _parse_json_slow(path: Path, data: bytes) -> tuple[list[dict[str, Any]], list[int]]:
@@ -306,21 +307,34 @@ def _parse_csv_slow(path: Path, data: bytes, names: Sequence[str],
     return rows, numbers
 
 
-def _strings(column: pa.ChunkedArray) -> np.ndarray:
+@dataclass(frozen=True)
+class Coded:
+    """A text column as Arrow's dictionary gave it: `codes` (int64, -1 for null) into
+    `labels` (distinct str, in no order). The judge's categoricals and its checks for empty
+    values are made from these, so no string is hashed twice."""
+
+    codes: np.ndarray
+    labels: np.ndarray
+
+
+def _strings(column: pa.ChunkedArray) -> tuple[np.ndarray, Coded]:
     """An Arrow string column (of few distinct values) as an object array of str / None,
-    through its dictionary so that each string object is made once."""
+    through its dictionary so that each string object is made once; and the codes."""
     if len(column) == 0:
-        return np.empty(0, dtype=object)
+        return np.empty(0, dtype=object), Coded(np.empty(0, dtype=np.int64),
+                                                np.empty(0, dtype=object))
     encoded = column.combine_chunks().dictionary_encode()
-    labels = np.append(encoded.dictionary.to_numpy(zero_copy_only=False), np.array([None]))
-    codes = encoded.indices.fill_null(len(labels) - 1).to_numpy()
-    return cast(np.ndarray, labels[codes])
+    labels = encoded.dictionary.to_numpy(zero_copy_only=False)
+    codes = encoded.indices.fill_null(-1).to_numpy().astype(np.int64)
+    # Code -1 picks the None appended last.
+    return cast(np.ndarray, np.append(labels, np.array([None]))[codes]), Coded(codes, labels)
 
 
 def _arrow_part(path: Path, table: pa.Table, truncated: bool, source: Source) -> Part:
     columns: dict[str, np.ndarray] = {}
     nested: dict[str, pa.ChunkedArray | list[Any]] = {}
     tokens: dict[str, pa.ChunkedArray] = {}
+    coded: dict[str, Coded] = {}
     for f in table.schema:
         column = table.column(f.name)
         if pa.types.is_struct(f.type):
@@ -330,10 +344,10 @@ def _arrow_part(path: Path, table: pa.Table, truncated: bool, source: Source) ->
         elif pa.types.is_floating(f.type):
             columns[f.name] = column.to_numpy()
         elif f.name != "job_id":
-            columns[f.name] = _strings(column)
+            columns[f.name], coded[f.name] = _strings(column)
     return Part(path=path, rows=table.num_rows, typed=True, truncated=truncated,
                  columns=columns, job_id=table.column("job_id"), tokens=tokens,
-                 nested=nested, header_lines=source.header_lines)
+                 nested=nested, header_lines=source.header_lines, coded=coded)
 
 
 def _python_part(path: Path, rows: list[dict[str, Any]], lines: list[int],

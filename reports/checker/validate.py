@@ -6,7 +6,7 @@ line."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -14,7 +14,7 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import pyarrow.compute as pc  # type: ignore[import-untyped]
 
 from skiplock.reports.checker.common import floats
-from skiplock.reports.checker.read import TOKENS, Nested, Part, data_dict
+from skiplock.reports.checker.read import TOKENS, Coded, Nested, Part, data_dict
 from skiplock.reports.history import (
     HistoryError,
 )
@@ -33,6 +33,7 @@ class Table:
     rows_per_file: list[int]
     header_lines: list[int]  # per file: lines before the first record
     lines: list[list[int] | None]  # per file: line of each row (None: rows are lines)
+    coded: dict[str, Coded] = field(default_factory=dict)  # text columns every file coded
 
     def where(self, row: int) -> str:
         """"file:line" of a row."""
@@ -66,11 +67,29 @@ class Table:
                              time=time)
         return array
 
+    def categorical(self, key: str) -> pd.Categorical:
+        """A text column (of few distinct values) as a categorical, its categories sorted
+        as pandas sorts them; made from the codes Arrow's dictionary gave when every file
+        was read by Arrow, so no value is hashed again."""
+        coded = self.coded.get(key)
+        if coded is None:
+            return pd.Categorical(pd.Series(self.columns[key], dtype=object))
+        order = np.argsort(coded.labels, kind="stable")
+        rank = np.empty(len(order) + 1, dtype=np.int64)
+        rank[order] = np.arange(len(order))
+        rank[-1] = -1  # null stays null
+        return pd.Categorical.from_codes(
+            rank[coded.codes], categories=pd.Index(coded.labels[order], dtype=object))
+
     def require_str(self, key: str, what: str) -> None:
         if key == "job_id":
             # Anything but a string was read as null.
             missing = pc.or_kleene(pc.is_null(self.job_id), pc.equal(self.job_id, ""))
             bad = np.flatnonzero(missing.to_numpy(zero_copy_only=False))
+        elif key in self.coded:
+            coded = self.coded[key]
+            empty = np.append(coded.labels == "", True)  # -1, null, picks the True
+            bad = np.flatnonzero(empty[coded.codes])
         elif self.typed:
             values = self.columns[key]
             bad = np.flatnonzero(pd.isna(values) | (values == ""))
@@ -118,16 +137,23 @@ def refuse_bad_times(table: Table, nested: Nested, names: Sequence[str], what: s
 def table_of(parts: Sequence[Part], schema: pa.Schema) -> Table:
     """The parts of one kind of file, as one table."""
     columns: dict[str, np.ndarray] = {}
+    coded: dict[str, Coded] = {}
     for f in schema:
         if pa.types.is_struct(f.type) or f.name == "job_id" or f.name in TOKENS:
             continue
         got = [p.columns[f.name] for p in parts]
+        if parts and all(f.name in p.coded for p in parts):
+            coded[f.name] = _merged([p.coded[f.name] for p in parts])
         if not got:
             columns[f.name] = np.empty(0, dtype=object)
         elif len(got) == 1:
             columns[f.name] = got[0]
         elif all(a.dtype == np.float64 for a in got):
             columns[f.name] = np.concatenate(got)
+        elif f.name in coded:
+            # One object array from the merged codes, not a copy of each file's and another.
+            merged = coded[f.name]
+            columns[f.name] = np.append(merged.labels, np.array([None]))[merged.codes]
         else:
             columns[f.name] = np.concatenate([a.astype(object) for a in got])
     counts = [p.rows for p in parts]
@@ -141,4 +167,18 @@ def table_of(parts: Sequence[Part], schema: pa.Schema) -> Table:
     return Table(columns=columns, job_id=job_id, tokens=tokens, nested=nested,
                   typed=all(p.typed for p in parts),
                   source=[str(p.path) for p in parts], rows_per_file=counts,
-                  header_lines=[p.header_lines for p in parts], lines=[p.lines for p in parts])
+                  header_lines=[p.header_lines for p in parts], lines=[p.lines for p in parts],
+                  coded=coded)
+
+
+def _merged(parts: Sequence[Coded]) -> Coded:
+    """Files' codes of one column as codes into the labels of them all."""
+    if len(parts) == 1:
+        return parts[0]
+    labels = pd.Index(np.concatenate([p.labels for p in parts]), dtype=object).unique()
+    codes = []
+    for part in parts:
+        # Each file's labels to the merged ones; -1 (null) picks the -1 appended last.
+        to_merged = np.append(labels.get_indexer(pd.Index(part.labels, dtype=object)), -1)
+        codes.append(to_merged[part.codes])
+    return Coded(np.concatenate(codes), np.asarray(labels, dtype=object))
