@@ -28,7 +28,7 @@ from skiplock.plumbing.errors import UsageError
 from skiplock.reports.selfdescribe import describe
 from skiplock.scenarios.bench import queue as bench_queue
 from skiplock.scenarios.bench.common import NO_RATIO, Params, ratio_of, result_path
-from skiplock.scenarios.bench.window import E2eResult, judge_window, timed_window
+from skiplock.scenarios.bench.window import STAGES, E2eResult, judge_window, timed_window
 from skiplock.scenarios.servers.postgres import postgres
 
 DEFAULT_DURATION = 10.0
@@ -195,6 +195,15 @@ def _e2e_line(label: str, e2e: Mapping[str, Any]) -> str:
             + ("  (RAN DRY: raise --prefill)" if e2e["ran_dry"] else ""))
 
 
+def _stages_line(e2e: Mapping[str, Any]) -> str | None:
+    """Where a job's time went, p50 ms per stage; None for a peer's loop, which logs less."""
+    stages = e2e.get("stages_p50_ms")
+    if not stages:
+        return None
+    return ("             p50 ms per stage: "
+            + ", ".join(f"{name} {stages[name]:.1f}" for name in STAGES if name in stages))
+
+
 def _cpu_per_job(e2e: Mapping[str, Any]) -> str:
     """Where each job's CPU went, in ms: what bounds the rate once the machine is busy."""
     jobs = e2e["jobs"]
@@ -216,11 +225,15 @@ def _print_summary(doc: Mapping[str, Any]) -> None:
          + ("  (RAN DRY: raise --prefill)" if queue["ran_dry"] else ""))
     _say(_e2e_line("end to end ", doc["e2e"]))
     _say(_cpu_per_job(doc["e2e"]))
+    if (stages := _stages_line(doc["e2e"])) is not None:
+        _say(stages)
     _say(f"ratio end to end / queue only: {NO_RATIO if ratio is None else f'{ratio:.2f}'}")
     for system, label in (("bullmq", "BullMQ"), ("pgqueuer", "pgqueuer")):
         if system in doc:
             _say(_e2e_line(f"{label} e2e".ljust(11), doc[system]))
             _say(_cpu_per_job(doc[system]))
+            if (stages := _stages_line(doc[system])) is not None:
+                _say(stages)
             other = doc[f"ratio_to_{system}"]
             _say(f"ratio PgQueue end to end / {label} end to end: "
                  f"{NO_RATIO if other is None else f'{other:.2f}'}")

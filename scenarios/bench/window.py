@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,6 +35,16 @@ class E2eResult:
     server_cpu_seconds: float | None = None
     redis_cpu_seconds: float | None = None
     machine_busy: float | None = None
+    # Where a job's time went, p50 ms per stage (`STAGES`), for a path whose workers log
+    # what skiplock's dispatcher logs (None: a peer's own loop, which logs less).
+    stages_p50_ms: dict[str, float] | None = None
+
+
+# A job's stages, each from one logged instant to the next (`_stages`): the claim's round
+# trip (its statements and durable commit), then until its call starts (the receipt's round
+# trip and the wait for the loop), the call, until its result is sent in a write (the
+# gather), and the write's round trip. Claim to written spans the last four.
+STAGES = ("claim", "to call", "call", "to write", "write")
 
 
 class CountingTarget(Protocol):
@@ -87,7 +98,7 @@ def judge_window(events: Path, window: Window, params: Params) -> E2eResult:
     from the worker event logs in `events`; where the CPU went meanwhile."""
     started = window.started
     ended = started + params.duration
-    frames = [pd.read_csv(path, usecols=["kind", "time", "job_id"])
+    frames = [pd.read_csv(path, usecols=lambda name: name in _READ)
               for path in sorted(events.glob("*.csv"))]
     if not frames:
         raise HarnessError("no worker event log was written")
@@ -106,7 +117,37 @@ def judge_window(events: Path, window: Window, params: Params) -> E2eResult:
         target_cpu_seconds=_delta(window.before[1], window.after[1]),
         server_cpu_seconds=window.machine.seconds("server"),
         redis_cpu_seconds=window.machine.seconds("redis"),
-        machine_busy=window.machine.machine_busy())
+        machine_busy=window.machine.machine_busy(),
+        stages_p50_ms=_stages(ev, in_window.index))
+
+
+# The columns a window reads: the kind, time and job of every event, and the instants
+# within them that skiplock's dispatcher logs (a peer's log has only the first three).
+_READ = frozenset({"kind", "time", "job_id", "started", "start", "end"})
+
+
+def _stages(ev: pd.DataFrame, jobs: pd.Index) -> dict[str, float] | None:
+    """The p50 of each of `STAGES` over `jobs`, each job's first claim, call and write;
+    None when the log lacks the instants (a peer's loop)."""
+    if not {"started", "start", "end"} <= set(ev.columns) or not len(jobs):
+        return None
+    first = ev.groupby(["kind", "job_id"])[["time", "started", "start", "end"]].min()
+    if not {"claim", "http", "write"} <= set(first.index.get_level_values("kind")):
+        return None
+
+    def of(kind: str, column: str) -> pd.Series:
+        return first.loc[kind][column].reindex(jobs)
+
+    instants = [of("claim", "started"), of("claim", "time"), of("http", "start"),
+                of("http", "end"), of("write", "started"), of("write", "time")]
+    stages = {}
+    for name, (begin, end) in zip(STAGES, pairwise(instants), strict=True):
+        spans = ((end - begin) * 1000).dropna().sort_values().tolist()
+        value = percentile(spans, 0.50)
+        if value is None:
+            return None
+        stages[name] = round(value, 2)
+    return stages
 
 
 def _cpu(pids: list[int | None]) -> float | None:

@@ -73,6 +73,12 @@ def test_bench_e2e_against_pgqueuer_runs_its_queue_manager_over_http(
     assert doc["pgqueuer"]["version"]
     assert_ratio(doc["ratio_to_pgqueuer"], doc["e2e"], doc["pgqueuer"])
     assert "ratio PgQueue end to end / pgqueuer end to end" in captured.out
+    # Where our jobs' time went, stage by stage; pgqueuer's loop logs too little for that.
+    stages = doc["e2e"]["stages_p50_ms"]
+    assert list(stages) == list(bench_e2e.STAGES) and stages["call"] > 0
+    assert all(value >= 0 for value in stages.values()), stages
+    assert doc["pgqueuer"]["stages_p50_ms"] is None
+    assert captured.out.count("p50 ms per stage: claim ") == 1
     with psycopg.connect(pg_dsn) as conn:
         row = conn.execute("SELECT count(*) FROM pg_database"
                            " WHERE datname LIKE 'skiplock\\_pgqueuer%'").fetchone()

@@ -192,3 +192,26 @@ def _figures(phase: bench_queue.PhaseResult) -> dict[str, object]:
 def test_a_ratio_is_given_when_neither_phase_ran_dry() -> None:
     assert ratio_of(_phase(9000.0), _phase(7500.0)) == pytest.approx(1.2)
     assert ratio_of(_phase(9000.0), {"jobs_per_second": 0.0, "ran_dry": False}) is None
+
+
+def test_each_stage_of_a_job_runs_from_one_logged_instant_to_the_next() -> None:
+    import pandas as pd
+
+    from skiplock.scenarios.bench.window import STAGES, _stages
+
+    def job(job_id: str, sent: float, stretch: float) -> list[dict[str, object]]:
+        """A job whose stages last 1, 2, 3, 4 and 5 ms, times `stretch`; a resend of its
+        write, logged later, does not count (each job's first of each)."""
+        at = [sent + stretch * sum(range(1, n + 1)) / 1000 for n in range(6)]
+        return [
+            {"kind": "claim", "job_id": job_id, "started": at[0], "time": at[1]},
+            {"kind": "http", "job_id": job_id, "start": at[2], "end": at[3], "time": at[3]},
+            {"kind": "write", "job_id": job_id, "started": at[4], "time": at[5]},
+            {"kind": "write", "job_id": job_id, "started": at[5] + 1, "time": at[5] + 2},
+        ]
+
+    ev = pd.DataFrame([*job("a", 100.0, 1.0), *job("b", 100.5, 3.0), *job("c", 101.0, 2.0)])
+    stages = _stages(ev, pd.Index(["a", "b", "c"]))
+    assert stages == {name: 2.0 * n for n, name in enumerate(STAGES, start=1)}
+    # A peer's log holds no instants within its events: no stages, rather than made-up ones.
+    assert _stages(ev[["kind", "job_id", "time"]], pd.Index(["a"])) is None
