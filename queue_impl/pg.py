@@ -32,7 +32,7 @@ from typing import Any, assert_never, cast, get_args
 
 import psycopg
 from psycopg import pq, sql
-from psycopg.adapt import PyFormat, Transformer
+from psycopg.adapt import Transformer
 from psycopg.pq import TransactionStatus
 from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
@@ -53,7 +53,7 @@ from skiplock.queue_impl.interface import (
 )
 from skiplock.queue_impl.sqlfile import (
     REFERENCE_PATH,
-    placeholders,
+    binary_parameters,
     positional,
     statements_and_sources,
 )
@@ -113,6 +113,12 @@ class PgQueue:
         self.schema = schema
         self._dsn = dsn
         self._statements, self._sources = statements_and_sources(sql)
+        if self._sources["schema"] == REFERENCE_PATH:
+            # The reference's own blocks on its own tables send their values in binary; a
+            # block from a team's file, or one run on a team's schema, is sent as written.
+            self._statements.update(
+                (block, binary_parameters(text)) for block, text in self._statements.items()
+                if block != "schema" and self._sources[block] == REFERENCE_PATH)
         self._conns: dict[Role, Conn] = {}
         self._locks: dict[Role, threading.Lock] = {role: threading.Lock() for role in Role}
         self._pid = os.getpid()
@@ -370,9 +376,9 @@ class PgQueue:
             for block, text in self._statements.items():
                 if block == "schema" or (block in _RECEIPT_BLOCKS and not self.receipts):
                     continue
-                query, names = positional(text)
+                query, names, formats = positional(text)
                 params = samples.get(block, {})
-                transformer.dump_sequence([params[n] for n in names], [PyFormat.AUTO] * len(names))
+                transformer.dump_sequence([params[n] for n in names], list(formats))
                 result = conn.pgconn.prepare(b"", query.encode(encoding), transformer.types)
                 if result.status != pq.ExecStatus.FATAL_ERROR:
                     continue
@@ -382,7 +388,7 @@ class PgQueue:
                         f"the connection was lost while checking block {block!r}"
                     )
                 error = _field(result, pq.DiagnosticField.MESSAGE_PRIMARY, encoding)
-                if not placeholders(text) and error == _SCRIPT_NOT_PREPARABLE:
+                if not names and error == _SCRIPT_NOT_PREPARABLE:
                     continue  # a script, sent as a simple query: it cannot be prepared
                 raise self._statement_error(block, error.splitlines()[0] if error else
                                             "the server refused the statement")
@@ -716,10 +722,10 @@ def explain_as_run(conn: psycopg.Connection[Any], statement: str, params: Mappin
     its parameters typed as psycopg types them, executed with its generic plan. (An EXPLAIN
     of the statement with its values would show the plan made for those values instead.)
     The caller's transaction is left for it to end; ANALYZE really runs the statement."""
-    query, names = positional(statement)
+    query, names, formats = positional(statement)
     values = [params[name] for name in names]
     transformer = Transformer(conn)
-    transformer.dump_sequence(values, [PyFormat.AUTO] * len(values))
+    transformer.dump_sequence(values, list(formats))
     apply_plan_settings(conn)
     # A name of its own per call: one left behind by a failed transaction (where DEALLOCATE
     # is refused) cannot collide with the next.
