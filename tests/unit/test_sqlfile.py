@@ -116,3 +116,29 @@ def test_account_lock_blocks_may_cap_at_the_batch_or_not(tmp_path: Path, text: s
     for block in ("claim_lock_accounts", "claim_lock_accounts_wait"):
         statements = load_statements(write(tmp_path, f"-- name: {block}\n{text}\n"))
         assert statements[block] == text
+
+
+def test_only_the_reference_on_its_own_schema_sends_values_in_binary(tmp_path: Path) -> None:
+    from psycopg.adapt import PyFormat
+
+    from skiplock.queue_impl.pg import PgQueue
+    from skiplock.queue_impl.sqlfile import positional
+
+    def formats(queue: PgQueue, block: str) -> set[PyFormat]:
+        return set(positional(queue._statements[block])[2])
+
+    dsn = "postgresql://nobody@127.0.0.1:1/none"  # never connected to
+    reference = PgQueue(dsn)
+    assert formats(reference, "finish") == formats(reference, "claim") == {PyFormat.BINARY}
+    # The same statement, only the placeholders' format changed: `%%` stays one percent sign.
+    query, names, _ = positional(reference._statements["finish"])
+    assert (query, names) == positional(load_statements(REFERENCE_PATH)["finish"])[:2]
+    team_finish = write(tmp_path, "-- name: recover\nSELECT 0 WHERE %(limit)s > 0;\n")
+    mixed = PgQueue(dsn, sql=team_finish)
+    assert formats(mixed, "recover") == {PyFormat.AUTO}
+    assert formats(mixed, "finish") == {PyFormat.BINARY}
+    (tmp_path / "schema.sql").write_text(
+        "-- name: schema\nCREATE TABLE IF NOT EXISTS jobs (id uuid);\n", encoding="utf-8")
+    theirs = PgQueue(dsn, sql=tmp_path / "schema.sql")
+    assert all(formats(theirs, block) <= {PyFormat.AUTO} for block in BLOCK_NAMES), (
+        "a reference block run on a team's schema is sent as written")
