@@ -84,7 +84,7 @@ class HandOverQueue:
         self._ready: deque[Lease] = deque()
         self._expected, self._done = expected, done
         self._lock = threading.Lock()
-        self.written = 0
+        self._written = 0
         self.succeeded = 0
 
     def setup(self) -> None:
@@ -112,9 +112,11 @@ class HandOverQueue:
 
     def finish(self, results: Sequence[AttemptResult]) -> list[WriteResult]:
         with self._lock:
-            self.written += len(results)
+            before = self._written
+            self._written += len(results)
             self.succeeded += sum(1 for r in results if r.outcome is Outcome.SUCCESS)
-            reached = self.written >= self._expected
+            # Only the write that reaches `expected` asks for the stop.
+            reached = before < self._expected <= self._written
         if reached:
             self._done()
         return [WriteResult.APPLIED] * len(results)
