@@ -495,7 +495,13 @@ class Dispatcher:
         and the result write fit in what is surely left at `now` of a lease granted by a
         call sent at `granted_after`."""
         left = lease_left(self.config.lease_seconds, granted_after=granted_after, now=now)
-        return left >= self.config.http_timeout_seconds + self.config.write_margin_seconds
+        return left >= self._call_needs
+
+    @property
+    def _call_needs(self) -> float:
+        """What of a lease a call needs: its HTTP timeout (which covers the vetting) and the
+        result write's margin."""
+        return self.config.http_timeout_seconds + self.config.write_margin_seconds
 
     def _lease_fits(self, leases: Sequence[Lease], claim_sent: float, claimed_at: float) -> bool:
         """Whether the call (its timeout covers the vetting) and the result write fit in what
@@ -509,11 +515,11 @@ class Dispatcher:
         if self.config.unsafe_timing or self._call_fits(claim_sent, now=now):
             return True
         left = lease_left(self.config.lease_seconds, granted_after=claim_sent, now=now)
-        needed = self.config.http_timeout_seconds + self.config.write_margin_seconds
         log(
             f"{self.worker_id}: the claim took {claimed_at - claim_sent:.1f}s, so only "
             f"{max(left, 0.0):.1f}s of its leases is sure to be left, less than the HTTP "
-            f"timeout + write margin ({needed:g}s): giving {len(leases)} job(s) back unsent"
+            f"timeout + write margin ({self._call_needs:g}s): "
+            f"giving {len(leases)} job(s) back unsent"
         )
         return False
 

@@ -90,10 +90,8 @@ class Table:
             coded = self.coded[key]
             empty = np.append(coded.labels == "", True)  # -1, null, picks the True
             bad = np.flatnonzero(empty[coded.codes])
-        elif self.typed:
-            values = self.columns[key]
-            bad = np.flatnonzero(pd.isna(values) | (values == ""))
         else:
+            # Read line by line somewhere (a file Arrow could not parse): values of any type.
             bad = np.array([i for i, v in enumerate(self.columns[key].tolist())
                             if type(v) is not str or not v], dtype=np.int64)
         if len(bad):
