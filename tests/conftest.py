@@ -161,6 +161,38 @@ def loopback_target() -> Serving:
     return _serving
 
 
+class StopAfterWrites:
+    """A dispatcher's event sink for tests: keeps every event, and stops the dispatcher it
+    serves (`serves`) once `writes` results have been written."""
+
+    def __init__(self, writes: int) -> None:
+        self.writes = writes
+        self.events: list[tuple[str, Mapping[str, Any]]] = []
+        self._written = 0
+        self._dispatcher: Any = None
+
+    def serves(self, dispatcher: Any) -> Any:
+        self._dispatcher = dispatcher
+        return dispatcher
+
+    def of(self, kind: str) -> list[Mapping[str, Any]]:
+        return [fields for k, fields in self.events if k == kind]
+
+    def __call__(self, kind: str, fields: Mapping[str, Any]) -> None:
+        self.events.append((kind, fields))
+        if kind == "write":
+            self._written += 1
+            if self._written == self.writes:
+                self._dispatcher.request_stop("test over")
+
+
+@pytest.fixture
+def stop_after_writes() -> type[StopAfterWrites]:
+    """`sink = stop_after_writes(N)`, then `sink.serves(Dispatcher(..., sink))`: an event sink
+    that keeps every event and stops its dispatcher after N result writes."""
+    return StopAfterWrites
+
+
 @pytest.fixture
 def assert_ratio() -> RatioCheck:
     """Checks a benchmark's ratio: one phase's rate over the other's, and none when either

@@ -45,7 +45,8 @@ class StallsOnce(Dispatcher):
         super()._failpoint(name, lease)
 
 
-async def _run(serving: Serving) -> tuple[list[str], list[Mapping[str, Any]]]:
+async def _run(serving: Serving, stop_after_writes: Any
+               ) -> tuple[list[str], list[Mapping[str, Any]]]:
     delivered: list[str] = []
 
     async def answer(request: web.Request) -> web.Response:
@@ -62,27 +63,15 @@ async def _run(serving: Serving) -> tuple[list[str], list[Mapping[str, Any]]]:
             batch=10, lease_seconds=LEASE_SECONDS, http_timeout_seconds=0.3,
             write_margin_seconds=0.3, poll_seconds=0.05, recovery_enabled=False,
             allow_targets=(f"127.0.0.1:{port}",))
-        releases: list[Mapping[str, Any]] = []
-        written = 0
-        dispatcher: Dispatcher
-
-        def sink(kind: str, fields: Mapping[str, Any]) -> None:
-            nonlocal written
-            if kind == "release":
-                releases.append(fields)
-            if kind == "write":
-                written += 1
-                if written == JOBS:
-                    dispatcher.request_stop("test over")
-
-        dispatcher = StallsOnce(queue, config, "worker-t", sink)
+        sink = stop_after_writes(JOBS)
+        dispatcher = sink.serves(StallsOnce(queue, config, "worker-t", sink))
         await asyncio.wait_for(dispatcher.run(), timeout=30.0)
-        return delivered, releases
+        return delivered, sink.of("release")
 
 
 def test_a_lease_that_ran_short_while_the_worker_stood_still_is_given_back_unsent(
-        loopback_target: Serving) -> None:
-    delivered, releases = asyncio.run(_run(loopback_target))
+        loopback_target: Serving, stop_after_writes: Any) -> None:
+    delivered, releases = asyncio.run(_run(loopback_target, stop_after_writes))
     # The first claim's leases went back unsent, each saying why; the jobs were claimed
     # again and each delivered once.
     assert len(releases) == JOBS, releases

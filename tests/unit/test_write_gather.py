@@ -50,7 +50,7 @@ async def _answer_after(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-async def _write_sizes(gather: float, serving: Serving) -> list[int]:
+async def _write_sizes(gather: float, serving: Serving, stop_after_writes: Any) -> list[int]:
     async with serving({"/after/{seconds}": _answer_after}) as port:
         queue = CountingWrites()
         queue.upsert_accounts([Account(id="acct", concurrency_limit=None)])
@@ -62,25 +62,16 @@ async def _write_sizes(gather: float, serving: Serving) -> list[int]:
             batch=10, lease_seconds=5.0, http_timeout_seconds=2.0, write_margin_seconds=1.0,
             poll_seconds=0.05, recovery_enabled=False, write_gather_seconds=gather,
             allow_targets=(f"127.0.0.1:{port}",))
-        written = 0
-        dispatcher: Dispatcher
-
-        def sink(kind: str, fields: Mapping[str, Any]) -> None:
-            nonlocal written
-            if kind == "write":
-                written += 1
-                if written == JOBS:
-                    dispatcher.request_stop("test over")
-
-        dispatcher = Dispatcher(queue, config, "worker-t", sink)
+        sink = stop_after_writes(JOBS)
+        dispatcher = sink.serves(Dispatcher(queue, config, "worker-t", sink))
         await asyncio.wait_for(dispatcher.run(), timeout=30.0)
         return queue.write_sizes
 
 
 @pytest.mark.parametrize("gather", [GATHER_SECONDS, 0.0], ids=["gathering", "at-once"])
 def test_a_busy_worker_gathers_results_only_when_told_to(
-        gather: float, loopback_target: Serving) -> None:
-    sizes = asyncio.run(_write_sizes(gather, loopback_target))
+        gather: float, loopback_target: Serving, stop_after_writes: Any) -> None:
+    sizes = asyncio.run(_write_sizes(gather, loopback_target, stop_after_writes))
     assert sum(sizes) == JOBS
     if gather:
         # The first result waits for the rest, which all end within the gather.
