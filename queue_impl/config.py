@@ -58,6 +58,13 @@ class WorkerSettings:
     # account's slot, is held up to this much longer. The wait comes out of the write margin,
     # so it is never longer than the margin (`gather_seconds`).
     write_gather_seconds: float = _setting(0.01, "write_gather")
+    # Refill: how many leases a worker may hold beyond its `batch` calls in flight, claimed
+    # before slots free, so that a slot whose call ends starts the next one at once instead of
+    # waiting out a claim and its receipt (two commits, each longer than a loopback call). The
+    # price: a job claimed ahead waits for a slot with its lease running (renewed as any held
+    # lease), and a limited account's claimed-ahead job holds one of its account's slots while
+    # it waits. 0 claims only for free slots. Each claim still takes at most `batch`.
+    claim_ahead: int = _setting(10, "claim_ahead")
     retry_base_seconds: float = _setting(1.0, "retry_base")
     retry_cap_seconds: float = _setting(60.0, "retry_cap")
     retry_jitter: float = _setting(0.5, "retry_jitter")
@@ -94,6 +101,10 @@ class WorkerSettings:
             raise ConfigError(
                 f"write margin must be 0 or more seconds (got {self.write_margin_seconds})"
             )
+        if isinstance(self.claim_ahead, bool) or not isinstance(self.claim_ahead, int) \
+                or self.claim_ahead < 0:
+            raise ConfigError(
+                f"claim ahead must be a whole number of jobs, 0 or more (got {self.claim_ahead!r})")
         if not math.isfinite(self.write_gather_seconds) or self.write_gather_seconds < 0:
             raise ConfigError(
                 f"write gather must be 0 or more seconds (got {self.write_gather_seconds})"

@@ -10,7 +10,10 @@ when to claim and when to write:
   flush taking whatever gathered while the previous one ran (in batches under load, one by one
   when idle); a busy worker lets a few more gather first (`write_gather_seconds`). A slow or
   hanging call holds only its own slot: its batch-mates' results are written, and their
-  slots refilled, without waiting for it.
+  slots refilled, without waiting for it. A worker also claims up to `claim_ahead` jobs
+  beyond its slots: they wait, received and renewed like any lease held, for a slot to free,
+  so that a freed slot starts its next call at once rather than after a claim and its
+  receipt, each a commit slower than a loopback call.
 - whole batches (`refill = false`, and always for a backend whose claim stays open until its
   results are written, as pg-long-tx's does): claim a full batch, wait for its slowest call,
   write all its results in one call, then claim again.
@@ -184,9 +187,12 @@ class Dispatcher:
         self._stop_reason = "stopped"
         self._next_recovery = 0.0
         # The slots' state (all touched on the event loop only): leases held by token until
-        # their results are written, tasks holding a slot, results waiting for the writer.
+        # their results are written, tasks holding a lease (at most `batch` of them calling,
+        # refill's claimed-ahead ones waiting for a call slot), results waiting for the writer.
         self._held: dict[Any, _Held] = {}
         self._calls: set[asyncio.Task[None]] = set()
+        self._call_slots = asyncio.Semaphore(config.batch)
+        self._holds_at_most = config.batch + (0 if self.whole_batches else config.claim_ahead)
         self._results: list[tuple[Any, Call]] = []
         self._slot_freed = asyncio.Event()
         # Set whenever a slot frees or a write lands: a whole batch may then be done.
@@ -303,20 +309,21 @@ class Dispatcher:
 
     async def _free_slots(self) -> int:
         """How many jobs to claim now (0: none yet, ask again). Whole batches: every slot
-        (the last batch is written by now). Refill: the free slots, once a busy worker has let
-        a few more free up, so that it claims in batches, not one by one."""
+        (the last batch is written by now). Refill: what the slots and the claim-ahead leave
+        room for, at most a batch, once a busy worker has let half a batch free up, so that
+        it claims in batches, not one by one."""
         if self.whole_batches:
             return self.config.batch
         self._slot_freed.clear()
-        free = self.config.batch - len(self._calls)
+        free = self._holds_at_most - len(self._calls)
         if free <= 0:
             await self._wait_or_stop(self.config.poll_seconds, self._slot_freed)
             return 0
         if self._calls and free < (self.config.batch + 1) // 2:
             await self._wait_or_stop(REFILL_GATHER_SECONDS, self._slot_freed)
-            free = self.config.batch - len(self._calls)
+            free = self._holds_at_most - len(self._calls)
             self._slot_freed.clear()
-        return free
+        return min(free, self.config.batch)
 
     async def _until_settled(self) -> None:
         """Whole batches: wait until every slot is free and every result written (or a stop,
@@ -352,7 +359,8 @@ class Dispatcher:
             self._held_added.set()
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        """A task that holds a slot until it ends (a call, or a release)."""
+        """A task that holds a lease (or gives leases back) until it ends: a call, waiting
+        for its slot when claimed ahead, or a release."""
         task: asyncio.Task[None] = asyncio.create_task(work)
         self._calls.add(task)
         task.add_done_callback(self._slot_done)
@@ -374,6 +382,40 @@ class Dispatcher:
             self.request_stop(f"error: {type(self._failure).__name__}")
 
     async def _call_and_queue(self, token: Any) -> None:
+        if not await self._call_slot():
+            # A stop came while this job, claimed ahead, waited for a slot: given back
+            # unsent, as the leases of a claim that comes back after a stop are.
+            await self._release([self._held.pop(token).lease])
+            return
+        try:
+            await self._call_when_slotted(token)
+        finally:
+            self._call_slots.release()
+
+    async def _call_slot(self) -> bool:
+        """Wait for one of the `batch` call slots; False (holding none) if a stop came
+        first."""
+        if not self._call_slots.locked():
+            await self._call_slots.acquire()  # free: returns at once
+            return True
+        acquire = asyncio.ensure_future(self._call_slots.acquire())
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((acquire, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            # A slot granted as it is cancelled goes to the next waiter (asyncio's semaphore
+            # hands it on), so no slot is lost however the two race.
+            acquire.cancel()
+            await asyncio.wait((acquire,))
+        if acquire.cancelled():
+            return False
+        if self.stopping:
+            self._call_slots.release()
+            return False
+        return True
+
+    async def _call_when_slotted(self, token: Any) -> None:
         held = self._held[token]
         if not self._still_fits(held):
             # The process stood still between the claim's lease check and this call's start

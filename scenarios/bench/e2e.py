@@ -254,6 +254,7 @@ def e2e_phase(dsn: str, schema: str, params: Params, *,
             config = DispatcherConfig(
                 batch=params.batch, lease_seconds=30.0, http_timeout_seconds=5.0,
                 write_margin_seconds=5.0, poll_seconds=0.5, refill=refill,
+                claim_ahead=params.batch,
                 allow_targets=(f"127.0.0.1:{target.port}",), seed=1)
             pool = WorkerPool(BackendSpec(name="pg", dsn=dsn, schema=schema), config,
                               params.workers, events)

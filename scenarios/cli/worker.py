@@ -129,6 +129,15 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="idle poll interval (default %(default)s)",
     )
     parser.add_argument(
+        "--claim-ahead",
+        type=int,
+        default=defaults.claim_ahead,
+        metavar="JOBS",
+        help="leases a worker may hold beyond its batch of calls in flight, claimed before "
+        "slots free so that a freed slot starts its next call at once; 0 claims only for free "
+        "slots (default %(default)s)",
+    )
+    parser.add_argument(
         "--write-gather",
         type=float,
         default=defaults.write_gather_seconds,
@@ -241,6 +250,7 @@ def build_config(args: argparse.Namespace) -> NativeConfig:
         write_margin_seconds=args.write_margin,
         poll_seconds=args.poll,
         write_gather_seconds=args.write_gather,
+        claim_ahead=args.claim_ahead,
         recovery_enabled=not args.no_recovery,
         renew_leases=not args.no_renew,
         refill=not args.barrier,

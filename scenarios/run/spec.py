@@ -93,6 +93,8 @@ class ScenarioSpec:
     refill: bool = True
     # Refill, busy: how long results may gather before they are written (0: each at once).
     write_gather: float = 0.01
+    # Refill: leases a worker may hold beyond its batch of calls, claimed ahead (0: none).
+    claim_ahead: int = 10
     unsafe_timing: bool = False
     # Retry policy and the oracle's max_attempts.
     retry_base: float = 0.2
@@ -202,6 +204,7 @@ class ScenarioSpec:
             "rate": self.rate,
             "write_margin": self.write_margin,
             "write_gather": self.write_gather,
+            "claim_ahead": self.claim_ahead,
             "retry_base": self.retry_base,
             "slow_seconds": self.slow_seconds,
             "hang_seconds": self.hang_seconds,

@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -116,6 +117,12 @@ class EchoServer:
             response = web.Response(status=400)
         elif request.path == "/slow":
             await asyncio.sleep(1.6)
+            response = web.Response(status=200)
+        elif request.path == "/pause":
+            await asyncio.sleep(0.2)  # well inside the 0.5 s HTTP timeout
+            response = web.Response(status=200)
+        elif request.path == "/linger":
+            await asyncio.sleep(1.0)  # for a test that raises the HTTP timeout past it
             response = web.Response(status=200)
         elif request.path == "/hang-once":
             if seen == 1:
@@ -288,9 +295,63 @@ def test_jobs_are_delivered_with_the_protocol_headers(queue: Queue, server: Echo
     writes = [f for kind, f in events if kind == "write"]
     assert {w["result"] for w in writes} == {"applied"}
     assert {w["job_id"] for w in writes} == {str(j.id) for j in jobs}
-    # Batches of at most 5: claim events for a batch come before its first HTTP event.
-    first_http = kinds.index("http")
-    assert 1 <= kinds[:first_http].count("claim") <= 5
+    # Claims of at most a batch (5): a claim's events share the instant it was sent.
+    per_claim = Counter(f["started"] for kind, f in events if kind == "claim")
+    assert max(per_claim.values()) <= 5
+
+
+@pytest.mark.parametrize("ahead", [0, 2])
+def test_jobs_claimed_ahead_wait_for_a_call_slot(
+    queue: Queue, server: EchoServer, ahead: int
+) -> None:
+    """A worker holds up to `claim_ahead` leases beyond its slots, claimed before they free,
+    and calls at most `batch` at once: each job claimed ahead starts as a call ends."""
+    config = replace(CONFIG, batch=2, claim_ahead=ahead,
+                     allow_targets=(f"127.0.0.1:{server.port}",))
+    jobs = enqueue(queue, server.url("/pause"), count=6)
+    states, events = run_until(queue, config, all_terminal, worker_id="worker-a")
+
+    assert all(states[job.id].status is JobStatus.COMPLETED for job in jobs)
+    assert all(len(server.hits_for(job.id)) == 1 for job in jobs)
+    # Leases held before the first call ended: the slots' and the claimed-ahead ones.
+    kinds = [kind for kind, _ in events]
+    assert kinds[:kinds.index("http")].count("claim") == 2 + ahead
+    # Never more than `batch` calls at the target at once.
+    hits = [h for job in jobs for h in server.hits_for(job.id)]
+    for hit in hits:
+        assert hit.answered is not None
+        overlapping = [h for h in hits if h.received <= hit.received < (h.answered or 0)]
+        assert len(overlapping) <= 2
+    per_claim = Counter(f["started"] for kind, f in events if kind == "claim")
+    assert max(per_claim.values()) <= 2
+
+
+def test_a_stop_gives_back_the_jobs_claimed_ahead_unsent(
+    queue: Queue, server: EchoServer
+) -> None:
+    config = replace(CONFIG, batch=1, claim_ahead=2, lease_seconds=4.0,
+                     http_timeout_seconds=1.5, allow_targets=(f"127.0.0.1:{server.port}",))
+    jobs = enqueue(queue, server.url("/linger"), count=3)
+
+    def all_claimed_and_one_called(states: dict[uuid.UUID, JobState]) -> bool:
+        # The first call lingers 1 s at the target; the other two wait for its slot.
+        return (all(states[job.id].status is JobStatus.PROCESSING for job in jobs)
+                and any(server.hits_for(job.id) for job in jobs))
+
+    states, events = run_until(queue, config, all_claimed_and_one_called, worker_id="worker-g")
+
+    [called] = [job for job in jobs if server.hits_for(job.id)]
+    assert [f["job_id"] for kind, f in events if kind == "http"] == [str(called.id)]
+    released = {f["job_id"]: f for kind, f in events if kind == "release"}
+    assert set(released) == {str(job.id) for job in jobs if job is not called}
+    assert {f["result"] for f in released.values()} == {"applied"}
+    states = {s.job_id: s for s in queue.snapshot()}
+    assert states[called.id].status is JobStatus.COMPLETED
+    for job in jobs:
+        if job is not called:
+            # Given back uncounted: due again, as if never claimed.
+            assert states[job.id].status is JobStatus.PENDING
+            assert states[job.id].attempts == 0
 
 
 def test_target_not_on_the_allow_list_is_refused_and_never_called(

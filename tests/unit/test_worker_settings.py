@@ -37,7 +37,7 @@ def test_a_scenarios_settings_reach_the_dispatcher_config_unchanged() -> None:
     spec = apply_overrides(ScenarioSpec(name="t"), [
         "batch=7", "lease=9", "http_timeout=3", "write_margin=1.5", "poll=0.25",
         "recovery=false", "recovery_interval=0.75", "renew_leases=false", "refill=false",
-        "write_gather=0.5",
+        "write_gather=0.5", "claim_ahead=3",
         "retry_base=0.5", "retry_cap=4", "retry_jitter=0.25", "unsafe_timing=true",
     ]).validate()
     config = dispatcher_config(spec, ("127.0.0.1:9",))
