@@ -53,7 +53,7 @@ from skiplock.queue_impl.interface import (
 )
 from skiplock.queue_impl.sqlfile import (
     REFERENCE_PATH,
-    binary_parameters,
+    as_sent,
     positional,
     statements_and_sources,
 )
@@ -114,10 +114,11 @@ class PgQueue:
         self._dsn = dsn
         self._statements, self._sources = statements_and_sources(sql)
         if self._sources["schema"] == REFERENCE_PATH:
-            # The reference's own blocks on its own tables send their values in binary; a
-            # block from a team's file, or one run on a team's schema, is sent as written.
+            # The reference's own blocks on its own tables are sent lean, their values in
+            # binary (`as_sent`); a block from a team's file, or one run on a team's schema,
+            # is sent as written.
             self._statements.update(
-                (block, binary_parameters(text)) for block, text in self._statements.items()
+                (block, as_sent(text)) for block, text in self._statements.items()
                 if block != "schema" and self._sources[block] == REFERENCE_PATH)
         self._conns: dict[Role, Conn] = {}
         self._locks: dict[Role, threading.Lock] = {role: threading.Lock() for role in Role}

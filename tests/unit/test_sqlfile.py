@@ -130,9 +130,14 @@ def test_only_the_reference_on_its_own_schema_sends_values_in_binary(tmp_path: P
     dsn = "postgresql://nobody@127.0.0.1:1/none"  # never connected to
     reference = PgQueue(dsn)
     assert formats(reference, "finish") == formats(reference, "claim") == {PyFormat.BINARY}
-    # The same statement, only the placeholders' format changed: `%%` stays one percent sign.
+    # The same statement less its comment lines, only the placeholders' format changed: `%%`
+    # stays one percent sign.
     query, names, _ = positional(reference._statements["finish"])
-    assert (query, names) == positional(load_statements(REFERENCE_PATH)["finish"])[:2]
+    as_written = load_statements(REFERENCE_PATH)["finish"]
+    lean = "\n".join(line for line in as_written.splitlines()
+                     if not line.lstrip().startswith("--"))
+    assert (query, names) == positional(lean)[:2]
+    assert len(query) < len(positional(as_written)[0])
     team_finish = write(tmp_path, "-- name: recover\nSELECT 0 WHERE %(limit)s > 0;\n")
     mixed = PgQueue(dsn, sql=team_finish)
     assert formats(mixed, "recover") == {PyFormat.AUTO}
@@ -142,3 +147,17 @@ def test_only_the_reference_on_its_own_schema_sends_values_in_binary(tmp_path: P
     theirs = PgQueue(dsn, sql=tmp_path / "schema.sql")
     assert all(formats(theirs, block) <= {PyFormat.AUTO} for block in BLOCK_NAMES), (
         "a reference block run on a team's schema is sent as written")
+
+
+def test_the_reference_sends_statements_short_enough_for_psycopg_to_reuse() -> None:
+    """psycopg reuses the conversion of a statement's placeholders only up to a length: over
+    it, the statement is parsed again on every call (the claim with its comments was)."""
+    from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH
+
+    from skiplock.queue_impl.pg import PgQueue
+
+    reference = PgQueue("postgresql://nobody@127.0.0.1:1/none")  # never connected to
+    sent = {block: text for block, text in reference._statements.items() if block != "schema"}
+    assert sent and all(len(text) <= MAX_CACHED_STATEMENT_LENGTH for text in sent.values())
+    assert not any(line.lstrip().startswith("--")
+                   for text in sent.values() for line in text.splitlines())
