@@ -63,7 +63,8 @@ class WorkerSettings:
     # waiting out a claim and its receipt (two commits, each longer than a loopback call). The
     # price: a job claimed ahead waits for a slot with its lease running (renewed as any held
     # lease), and a limited account's claimed-ahead job holds one of its account's slots while
-    # it waits. 0 claims only for free slots. Each claim still takes at most `batch`.
+    # it waits. 0 claims only for free slots. Each claim still takes at most `batch`. Only
+    # with renewal on and refill (a lease left unrenewed would run out waiting).
     claim_ahead: int = _setting(10, "claim_ahead")
     retry_base_seconds: float = _setting(1.0, "retry_base")
     retry_cap_seconds: float = _setting(60.0, "retry_cap")

@@ -192,7 +192,7 @@ class Dispatcher:
         self._held: dict[Any, _Held] = {}
         self._calls: set[asyncio.Task[None]] = set()
         self._call_slots = asyncio.Semaphore(config.batch)
-        self._holds_at_most = config.batch + (0 if self.whole_batches else config.claim_ahead)
+        self._holds_at_most = self._leases_at_most()
         self._results: list[tuple[Any, Call]] = []
         self._slot_freed = asyncio.Event()
         # Set whenever a slot frees or a write lands: a whole batch may then be done.
@@ -307,6 +307,13 @@ class Dispatcher:
             renewer.cancel()
             await asyncio.gather(renewer, return_exceptions=True)
 
+    def _leases_at_most(self) -> int:
+        """How many leases this worker may hold: its `batch` slots, and in refill with
+        renewal `claim_ahead` more (unrenewed, a lease waiting for a slot would run out, and
+        its job be given back)."""
+        ahead = self.config.claim_ahead if self.config.renew_leases else 0
+        return self.config.batch + (0 if self.whole_batches else ahead)
+
     async def _free_slots(self) -> int:
         """How many jobs to claim now (0: none yet, ask again). Whole batches: every slot
         (the last batch is written by now). Refill: what the slots and the claim-ahead leave
@@ -394,9 +401,11 @@ class Dispatcher:
 
     async def _call_slot(self) -> bool:
         """Wait for one of the `batch` call slots; False (holding none) if a stop came
-        first."""
+        while waiting: a job claimed ahead, not yet called, is then given back unsent."""
         if not self._call_slots.locked():
-            await self._call_slots.acquire()  # free: returns at once
+            # Free: taken at once, and the call goes ahead as every call started before a
+            # stop does.
+            await self._call_slots.acquire()
             return True
         acquire = asyncio.ensure_future(self._call_slots.acquire())
         stop = asyncio.ensure_future(self._stopping.wait())
@@ -500,13 +509,17 @@ class Dispatcher:
             await self._reconnect()
             return False
         for token, lease, answer in zip(tokens, leases, answers, strict=True):
-            held = self._held[token]
+            self.emit("renew", **renew_event(lease, None if answer is None
+                                             else answer.locked_until))
+            # Gone from the held leases while the renewal ran: given back unsent (a stop,
+            # or too little left as its call came to start), so nothing is left to update.
+            held = self._held.get(token)
+            if held is None:
+                continue
             if answer is None:
                 held.lost = True
-                self.emit("renew", **renew_event(lease, None))
             else:
                 held.lease, held.granted_after = answer, renewed_at
-                self.emit("renew", **renew_event(lease, answer.locked_until))
         return True
 
 
@@ -528,9 +541,10 @@ class Dispatcher:
         """Whether the call and the result write still fit in what is surely left of a held
         lease (its last grant counts), checked again as each call starts: the claim's check
         covers every call only if nothing stalls the process between them."""
-        if self.config.unsafe_timing:
-            return True
-        return not held.lost and self._call_fits(held.granted_after, now=time.monotonic())
+        if held.lost:
+            return False  # a renewal found it gone: the job may be with its next holder
+        return self.config.unsafe_timing or self._call_fits(held.granted_after,
+                                                            now=time.monotonic())
 
     def _call_fits(self, granted_after: float, *, now: float) -> bool:
         """The lease rule every check applies: the HTTP call (its timeout covers the vetting)

@@ -42,7 +42,7 @@ from urllib.parse import quote
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 from psycopg.conninfo import conninfo_to_dict
 
@@ -1624,6 +1624,8 @@ def test_a_sample_through_a_real_process(
     @settings(PROFILE, max_examples=max(4, PROFILE.max_examples // 12))
     @given(line=command_lines())
     def prop(line: Line) -> None:
+        # An argument holding a NUL byte cannot reach a real process (the OS ends it there).
+        assume(not any("\x00" in arg for arg in line.argv))
         with sandbox() as root:
             outcome = run_process(line.argv, root)
         note(str(outcome))

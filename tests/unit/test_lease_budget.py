@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from skiplock.queue_impl.config import DispatcherConfig
-from skiplock.queue_impl.dispatcher import Dispatcher, lease_left
+from skiplock.queue_impl.dispatcher import Dispatcher, _Held, lease_left
 from skiplock.queue_impl.events import LEASE_TOO_SHORT
 from skiplock.queue_impl.interface import Account, JobStatus, Lease, NewJob
 from skiplock.queue_impl.memory import InMemoryQueue
@@ -148,3 +148,17 @@ def test_unsafe_timing_waives_the_budget_as_it_waives_the_timing_rule() -> None:
     events = first_batch(queue, replace(CONFIG, unsafe_timing=True))
     assert "release" not in kinds(events)
     assert kinds(events).count("http") == 2
+
+
+@pytest.mark.parametrize("unsafe", [False, True])
+def test_a_lease_a_renewal_found_gone_is_never_called(unsafe: bool) -> None:
+    """Lost is not a matter of timing: the job may be with its next holder, so even
+    `unsafe_timing` (which waives the timing rule only) gives it back unsent."""
+    queue = InMemoryQueue()
+    with_jobs(queue, 1)
+    [lease] = queue.claim("worker-t", 1, timedelta(seconds=CONFIG.lease_seconds))
+    dispatcher = Dispatcher(queue, replace(CONFIG, unsafe_timing=unsafe), "worker-t",
+                            lambda kind, fields: None)
+    now = time.monotonic()
+    assert dispatcher._still_fits(_Held(lease=lease, granted_after=now))
+    assert not dispatcher._still_fits(_Held(lease=lease, granted_after=now, lost=True))

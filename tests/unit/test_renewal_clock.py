@@ -103,3 +103,63 @@ def test_the_first_renewal_is_timed_from_the_claims_send(
     assert after < HALF + CLAIM_TAKES / 2, f"first renewal {after:.2f}s after the claim's send"
     # The renewal happened while the call was in flight: renew comes before http.
     assert kinds.index("renew") < kinds.index("http")
+
+
+class StopDuringRenewal(InMemoryQueue):
+    """Asks the dispatcher to stop from inside the renewal of the job claimed ahead, and
+    answers only once the stop has had time to give that job back: a renewal that covered a
+    lease the dispatcher no longer holds when it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stop: Any = None
+        self.claimed: list[uuid.UUID] = []  # job ids in the order claimed
+
+    def claim(self, worker_id: str, batch: int, lease: timedelta) -> list[Lease]:
+        leases = super().claim(worker_id, batch, lease)
+        self.claimed.extend(lease.job_id for lease in leases)
+        return leases
+
+    def renew(self, leases: Sequence[Lease], extend: timedelta) -> list[Lease | None]:
+        answers = super().renew(leases, extend)
+        ahead = self.claimed[1:2]  # the job claimed second, while the first one's call ran
+        if self.stop is not None and any(lease.job_id in ahead for lease in leases):
+            self.stop()
+            self.stop = None
+            time.sleep(0.3)
+        return answers
+
+
+async def _stop_while_renewing(port: int) -> list[str]:
+    queue = StopDuringRenewal()
+    queue.upsert_accounts([Account(id="acct")])
+    queue.enqueue([NewJob(id=uuid.uuid4(), account_id="acct",
+                          target_url=f"http://127.0.0.1:{port}/slow", payload={})
+                   for _ in range(2)])
+    # One slot and one job claimed ahead: the ahead one waits while the first call outlasts
+    # half the lease, so both are renewed.
+    config = DispatcherConfig(
+        batch=1, claim_ahead=1, lease_seconds=LEASE, http_timeout_seconds=2.9,
+        write_margin_seconds=0.2, poll_seconds=0.05, recovery_enabled=False,
+        allow_targets=(f"127.0.0.1:{port}",),
+    )
+    kinds: list[str] = []
+    dispatcher = Dispatcher(queue, config, "worker-t", lambda kind, _: kinds.append(kind))
+    loop = asyncio.get_running_loop()
+    queue.stop = lambda: loop.call_soon_threadsafe(dispatcher.request_stop, "SIGTERM")
+    await asyncio.wait_for(dispatcher.run(), timeout=30.0)
+    return kinds
+
+
+def test_a_job_given_back_while_its_renewal_runs_does_not_stop_the_worker(
+        loopback_target: Any) -> None:
+    async def go() -> list[str]:
+        async with loopback_target({"/slow": _slow}) as port:
+            return await _stop_while_renewing(port)
+
+    kinds = asyncio.run(go())
+    # The first call finished and was written; the job claimed ahead was given back unsent.
+    assert kinds.count("renew") == 2, kinds
+    assert kinds.count("http") == 1 and kinds.count("write") == 1, kinds
+    assert kinds.count("release") == 1, kinds
+    assert kinds[-1] == "stop"
