@@ -31,6 +31,7 @@ from skiplock.reports.history import (
 )
 from skiplock.reports.selfdescribe import describe
 from skiplock.reports.synthetic import RunBuilder, history_files
+from skiplock.scenarios.bench.queue import MAX_ROUNDS
 
 # --------------------------------------------------------------------------------------------
 # The synthetic history.
@@ -148,6 +149,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
                         help="build the run directory here and keep it")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1, metavar="R",
+                        help=f"check the history cold then warm this many times, the cache "
+                             f"removed before each (1 to {MAX_ROUNDS}; default 1): the spread "
+                             "of the cold figure is the machine's, not the checker's")
 
 
 def _wait_until_cacheable(run_dir: Path) -> float:
@@ -198,6 +203,10 @@ def run(args: argparse.Namespace) -> int:
     if args.deliveries < 1:
         print("skiplock: bench checker: --deliveries must be at least 1", file=sys.stderr)
         return 2
+    if not 1 <= args.rounds <= MAX_ROUNDS:
+        print(f"skiplock: bench checker: --rounds must be from 1 to {MAX_ROUNDS}, "
+              f"got {args.rounds}", file=sys.stderr)
+        return 2
     bad = _bad_paths(args)
     if bad is not None:
         print(f"skiplock: bench checker: {' '.join(bad.split())}", file=sys.stderr)
@@ -210,13 +219,17 @@ def run(args: argparse.Namespace) -> int:
         mix = build_synthetic(run_dir, args.deliveries, seed=args.seed)
         built = time.perf_counter() - t0
         size = sum(p.stat().st_size for p in history_files(run_dir))
-        # A kept directory may hold the cache of an earlier build: start cold.
-        shutil.rmtree(run_dir / columnar.CACHE_DIR, ignore_errors=True)
         _wait_until_cacheable(run_dir)
-        cold = check_run([run_dir])
+        rounds = []
+        for number in range(args.rounds):
+            if args.rounds > 1:
+                print(f"round {number + 1} of {args.rounds}", flush=True)
+            # Each round starts cold (a kept directory may hold an earlier build's cache).
+            shutil.rmtree(run_dir / columnar.CACHE_DIR, ignore_errors=True)
+            rounds.append((check_run([run_dir]), check_run([run_dir])))
+        cold, warm = rounds[0]
         cache_size = columnar.cache_bytes(run_dir)
         cache_files = sum(1 for p in (run_dir / columnar.CACHE_DIR).rglob("*" + columnar.SUFFIX))
-        warm = check_run([run_dir])
     print(f"history: {mix['deliveries']} deliveries, {mix['jobs']} jobs, "
           f"{warm.details.get('worker_events', 0)} worker events, {size / 1e6:.0f} MB of logs "
           f"(built in {built:.1f}s)")
@@ -224,17 +237,24 @@ def run(args: argparse.Namespace) -> int:
                    cold.timings)
     print(f"cache: {cache_files} files, {cache_size / 1e6:.0f} MB")
     _print_timings("warm check (the same history again, read from the cache):", warm.timings)
-    same = cold.valid == warm.valid and cold.counts == warm.counts
+    if len(rounds) > 1:
+        print("by round: cold s " + ", ".join(f"{c.timings['total_seconds']:.2f}"
+                                               for c, _ in rounds)
+              + "; warm s " + ", ".join(f"{w.timings['total_seconds']:.2f}" for _, w in rounds))
+    same = all(v.valid == cold.valid and v.counts == cold.counts
+               for pair in rounds for v in pair)
     print(f"verdict: cold {cold.valid}, warm {warm.valid}"
           + ("" if same else "  (DIFFERENT: checker bug)"))
     result = {
         "benchmark": "checker",
-        "parameters": {"deliveries": args.deliveries, "seed": args.seed},
+        "parameters": {"deliveries": args.deliveries, "seed": args.seed,
+                       "rounds": args.rounds},
         "history": {**mix, "bytes": size,
                     "worker_events": warm.details.get("worker_events")},
         # cold: the first check, parsing the logs and writing the cache; warm: a check of the
-        # already-read history, from the cache.
+        # already-read history, from the cache. The first round's, then every round's.
         "seconds": {"cold": cold.timings, "warm": warm.timings},
+        "rounds": [{"cold": c.timings, "warm": w.timings} for c, w in rounds],
         "cache": {"bytes": cache_size, "files": cache_files,
                   "format_version": columnar.FORMAT_VERSION},
         "valid": warm.valid,

@@ -167,11 +167,15 @@ def test_no_directory_is_a_usage_error() -> None:
 
 def test_bench_checker_small(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    done = skiplock("bench", "checker", "--deliveries", "2000", "--out", out)
+    done = skiplock("bench", "checker", "--deliveries", "2000", "--rounds", "2", "--out", out)
     assert done.returncode == 0, done.stderr
     assert "load" in done.stdout and "judge" in done.stdout and "total" in done.stdout
     assert "cache" in done.stdout
+    assert "round 2 of 2" in done.stdout and "by round: cold s " in done.stdout
     result = json.loads(out.read_text())
+    # Every round is kept; the summary's figures are the first round's.
+    assert result["parameters"]["rounds"] == 2 and len(result["rounds"]) == 2
+    assert result["rounds"][0] == result["seconds"]
     # The cache is written beside the check; the total counts what was left to wait for.
     for check in ("cold", "warm"):
         timings = result["seconds"][check]
