@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from skiplock.reports import columnar
-from skiplock.reports.checker import check_run
+from skiplock.reports.checker import Verdict, check_run
 from skiplock.reports.history import (
     write_json,
 )
@@ -199,15 +199,29 @@ def _bad_paths(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
+def _bad_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line, as one line, or None."""
     if args.deliveries < 1:
-        print("skiplock: bench checker: --deliveries must be at least 1", file=sys.stderr)
-        return 2
+        return "--deliveries must be at least 1"
     if not 1 <= args.rounds <= MAX_ROUNDS:
-        print(f"skiplock: bench checker: --rounds must be from 1 to {MAX_ROUNDS}, "
-              f"got {args.rounds}", file=sys.stderr)
-        return 2
-    bad = _bad_paths(args)
+        return f"--rounds must be from 1 to {MAX_ROUNDS}, got {args.rounds}"
+    return _bad_paths(args)
+
+
+def _check_rounds(run_dir: Path, count: int) -> list[tuple[Verdict, Verdict]]:
+    """(cold, warm) checks of `run_dir`, `count` times; each round starts cold (the cache
+    removed: a kept directory may also hold an earlier build's)."""
+    rounds = []
+    for number in range(count):
+        if count > 1:
+            print(f"round {number + 1} of {count}", flush=True)
+        shutil.rmtree(run_dir / columnar.CACHE_DIR, ignore_errors=True)
+        rounds.append((check_run([run_dir]), check_run([run_dir])))
+    return rounds
+
+
+def run(args: argparse.Namespace) -> int:
+    bad = _bad_arguments(args)
     if bad is not None:
         print(f"skiplock: bench checker: {' '.join(bad.split())}", file=sys.stderr)
         return 2
@@ -220,13 +234,7 @@ def run(args: argparse.Namespace) -> int:
         built = time.perf_counter() - t0
         size = sum(p.stat().st_size for p in history_files(run_dir))
         _wait_until_cacheable(run_dir)
-        rounds = []
-        for number in range(args.rounds):
-            if args.rounds > 1:
-                print(f"round {number + 1} of {args.rounds}", flush=True)
-            # Each round starts cold (a kept directory may hold an earlier build's cache).
-            shutil.rmtree(run_dir / columnar.CACHE_DIR, ignore_errors=True)
-            rounds.append((check_run([run_dir]), check_run([run_dir])))
+        rounds = _check_rounds(run_dir, args.rounds)
         cold, warm = rounds[0]
         cache_size = columnar.cache_bytes(run_dir)
         cache_files = sum(1 for p in (run_dir / columnar.CACHE_DIR).rglob("*" + columnar.SUFFIX))
