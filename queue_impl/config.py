@@ -102,10 +102,7 @@ class WorkerSettings:
             raise ConfigError(
                 f"write margin must be 0 or more seconds (got {self.write_margin_seconds})"
             )
-        if isinstance(self.claim_ahead, bool) or not isinstance(self.claim_ahead, int) \
-                or self.claim_ahead < 0:
-            raise ConfigError(
-                f"claim ahead must be a whole number of jobs, 0 or more (got {self.claim_ahead!r})")
+        _whole_number("claim ahead", self.claim_ahead)
         if not math.isfinite(self.write_gather_seconds) or self.write_gather_seconds < 0:
             raise ConfigError(
                 f"write gather must be 0 or more seconds (got {self.write_gather_seconds})"
@@ -191,6 +188,11 @@ def validate_worker_count(count: int) -> None:
 def _positive_int(what: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{what} must be a positive whole number (got {value!r})")
+
+
+def _whole_number(what: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{what} must be a whole number, 0 or more (got {value!r})")
 
 
 def _positive(what: str, value: float) -> None:

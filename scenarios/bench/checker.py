@@ -31,7 +31,7 @@ from skiplock.reports.history import (
 )
 from skiplock.reports.selfdescribe import describe
 from skiplock.reports.synthetic import RunBuilder, history_files
-from skiplock.scenarios.bench.queue import MAX_ROUNDS
+from skiplock.scenarios.bench.common import MAX_ROUNDS, bad_rounds
 
 # --------------------------------------------------------------------------------------------
 # The synthetic history.
@@ -203,9 +203,7 @@ def _bad_arguments(args: argparse.Namespace) -> str | None:
     """What is wrong with the command line, as one line, or None."""
     if args.deliveries < 1:
         return "--deliveries must be at least 1"
-    if not 1 <= args.rounds <= MAX_ROUNDS:
-        return f"--rounds must be from 1 to {MAX_ROUNDS}, got {args.rounds}"
-    return _bad_paths(args)
+    return bad_rounds(args.rounds) or _bad_paths(args)
 
 
 def _check_rounds(run_dir: Path, count: int) -> list[tuple[Verdict, Verdict]]:

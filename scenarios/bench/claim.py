@@ -34,8 +34,8 @@ from skiplock.plumbing.errors import UsageError
 from skiplock.queue_impl.pg import apply_plan_settings, explain_as_run
 from skiplock.queue_impl.sqlfile import statements_and_sources
 from skiplock.reports.selfdescribe import describe
-from skiplock.scenarios.bench.common import result_path
-from skiplock.scenarios.bench.queue import MAX_ROUNDS, by_round
+from skiplock.scenarios.bench.common import MAX_ROUNDS, bad_rounds, result_path
+from skiplock.scenarios.bench.queue import by_round
 from skiplock.scenarios.servers.postgres import postgres
 
 SCHEMA_PREFIX = "skiplock_bench_claim"
@@ -70,8 +70,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=200,
                         help="claims timed per size (default 200)")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="time each size's claims this many times over (1 to 20; default "
-                             "1): the result keeps each round, so `skiplock compare` can tell "
+                        help=f"time each size's claims this many times over (1 to "
+                             f"{MAX_ROUNDS}; default 1): the result keeps each round, so "
+                             "`skiplock compare` can tell "
                              "noise from a change")
     parser.add_argument("--sql", default=None, metavar="FILE",
                         help="your own claim blocks (as `skiplock run --sql`)")
@@ -98,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("batch", "repeat"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name} must be a positive integer, got {getattr(args, name)}")
-    if not 1 <= args.rounds <= MAX_ROUNDS:
-        raise UsageError(f"--rounds must be from 1 to {MAX_ROUNDS}, got {args.rounds}")
+    if (bad := bad_rounds(args.rounds)) is not None:
+        raise UsageError(bad)
     try:
         statements, _ = statements_and_sources(args.sql)
     except (OSError, ValueError) as exc:

@@ -30,6 +30,17 @@ class Params:
     fill: str = "vacuumed"
 
 
+# How many rounds a benchmark's `--rounds` may ask for.
+MAX_ROUNDS = 20
+
+
+def bad_rounds(rounds: int) -> str | None:
+    """What is wrong with `--rounds`, as one line, or None."""
+    if not 1 <= rounds <= MAX_ROUNDS:
+        return f"--rounds must be from 1 to {MAX_ROUNDS}, got {rounds}"
+    return None
+
+
 # Printed where a ratio is not given: a phase that ran out of due jobs measured its backlog.
 NO_RATIO = "not measured (a phase ran out of due jobs: raise --prefill)"
 

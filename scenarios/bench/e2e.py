@@ -27,7 +27,14 @@ from typing import Any
 from skiplock.plumbing.errors import UsageError
 from skiplock.reports.selfdescribe import describe
 from skiplock.scenarios.bench import queue as bench_queue
-from skiplock.scenarios.bench.common import NO_RATIO, Params, ratio_of, result_path
+from skiplock.scenarios.bench.common import (
+    MAX_ROUNDS,
+    NO_RATIO,
+    Params,
+    bad_rounds,
+    ratio_of,
+    result_path,
+)
 from skiplock.scenarios.bench.window import STAGES, E2eResult, judge_window, timed_window
 from skiplock.scenarios.servers.postgres import postgres
 
@@ -62,7 +69,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "Docker, else embedded)")
     parser.add_argument("--rounds", type=int, default=1,
                         help=f"measure every phase this many times, alternating (1 to "
-                             f"{bench_queue.MAX_ROUNDS}; default 1): the result keeps each "
+                             f"{MAX_ROUNDS}; default 1): the result keeps each "
                              "round, so `skiplock compare` can tell noise from a change")
     parser.add_argument("--dsn", default=None,
                         help="PostgreSQL DSN (default: SKIPLOCK_PG_DSN, else embedded)")
@@ -89,9 +96,8 @@ def _validate(args: argparse.Namespace) -> tuple[Params, Path]:
         require_pgqueuer()
     if args.against != "bullmq" and args.redis_url is not None:
         raise UsageError("--redis-url is only used with --against bullmq")
-    if not 1 <= args.rounds <= bench_queue.MAX_ROUNDS:
-        raise UsageError(f"--rounds must be from 1 to {bench_queue.MAX_ROUNDS}, "
-                         f"got {args.rounds}")
+    if (bad := bad_rounds(args.rounds)) is not None:
+        raise UsageError(bad)
     out = result_path(args.out, "e2e")
     return Params(workers=args.workers, batch=args.batch,
                               duration=float(args.duration), prefill=prefill), out

@@ -35,8 +35,10 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from skiplock.plumbing.errors import HarnessError, UsageError
 from skiplock.reports.selfdescribe import describe
 from skiplock.scenarios.bench.common import (
+    MAX_ROUNDS,
     NO_RATIO,
     Params,
+    bad_rounds,
     percentile,
     processes_in_step,
     ratio_of,
@@ -155,8 +157,8 @@ def validate(args: argparse.Namespace) -> Params:
         prefill = max(PREFILL_MIN, int(PREFILL_JOBS_PER_SECOND * args.duration))
     if prefill <= 0:
         raise UsageError(f"--prefill must be a positive integer, got {prefill}")
-    if not 1 <= getattr(args, "rounds", 1) <= MAX_ROUNDS:
-        raise UsageError(f"--rounds must be from 1 to {MAX_ROUNDS}, got {args.rounds}")
+    if (bad := bad_rounds(getattr(args, "rounds", 1))) is not None:
+        raise UsageError(bad)
     return Params(
         workers=args.workers, batch=args.batch, duration=float(args.duration), prefill=prefill,
         fill=getattr(args, "fill", "vacuumed"),
@@ -306,9 +308,6 @@ def _print_summary(queue: PhaseResult, ceiling: PhaseResult, ratio: float | None
         _say(CEILING_BEATEN)
     if queue.ran_dry or ceiling.ran_dry:
         _say("warning: a phase ran out of due jobs; raise --prefill and run again")
-
-
-MAX_ROUNDS = 20
 
 
 def _one_round(dsn: str, params: Params, against: str | None,
