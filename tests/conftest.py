@@ -207,6 +207,42 @@ def assert_ratio() -> RatioCheck:
     return check
 
 
+@dataclasses.dataclass
+class MadeDatabases:
+    """The databases a benchmark's pgqueuer phase made, recorded as it made them."""
+
+    names: list[str]
+
+    def left_on(self, dsn: str) -> list[str]:
+        """Those of them still on the server."""
+        with psycopg.connect(dsn) as conn:
+            rows = conn.execute("SELECT datname FROM pg_database WHERE datname = ANY(%s)",
+                                [self.names]).fetchall()
+        return [row[0] for row in rows]
+
+
+@pytest.fixture
+def pgqueuer_databases(monkeypatch: pytest.MonkeyPatch) -> MadeDatabases:
+    """Records each database the pgqueuer phases make, so that a test checks those are
+    gone. A look for any such name on the server also found those of a pgqueuer phase
+    another xdist worker was running at that moment (databases are the whole server's)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    from skiplock.scenarios.bench import pgqueuer as bench_pgqueuer
+
+    made = MadeDatabases(names=[])
+    make = bench_pgqueuer.fresh_database
+
+    @contextlib.contextmanager
+    def recorded(dsn: str, prefix: str = "skiplock") -> Iterator[str]:
+        with make(dsn, prefix=prefix) as own:
+            made.names.append(str(conninfo_to_dict(own)["dbname"]))
+            yield own
+
+    monkeypatch.setattr(bench_pgqueuer, "fresh_database", recorded)
+    return made
+
+
 @pytest.fixture
 def fresh_schema(pg_dsn: str) -> Iterator[str]:
     """A schema no other test uses, dropped afterwards: tests can run side by side."""

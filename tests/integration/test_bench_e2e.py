@@ -7,6 +7,7 @@ import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -16,9 +17,6 @@ from skiplock.scenarios.bench import e2e as bench_e2e
 pytestmark = pytest.mark.integration
 
 
-# Its check that no skiplock_pgqueuer database is left looks at the whole server, where
-# test_bench_queue's pgqueuer phase makes one: the two run on one xdist worker, in turn.
-@pytest.mark.xdist_group("pgqueuer-databases")
 def test_bench_e2e_against_bullmq_relaxed_runs_all_three_phases(
         pg_dsn: str, tmp_path: Path, embedded_redis_only: None,
         assert_ratio: Callable[..., None], capfd: pytest.CaptureFixture[str]) -> None:
@@ -55,7 +53,7 @@ def test_bench_e2e_against_bullmq_relaxed_runs_all_three_phases(
 
 def test_bench_e2e_against_pgqueuer_runs_its_queue_manager_over_http(
         pg_dsn: str, tmp_path: Path, assert_ratio: Callable[..., None],
-        capfd: pytest.CaptureFixture[str]) -> None:
+        capfd: pytest.CaptureFixture[str], pgqueuer_databases: Any) -> None:
     out = tmp_path / "e2e.json"
     parser = argparse.ArgumentParser()
     bench_e2e.configure(parser)
@@ -79,10 +77,8 @@ def test_bench_e2e_against_pgqueuer_runs_its_queue_manager_over_http(
     assert all(value >= 0 for value in stages.values()), stages
     assert doc["pgqueuer"]["stages_p50_ms"] is None
     assert captured.out.count("p50 ms per stage: claim ") == 1
-    with psycopg.connect(pg_dsn) as conn:
-        row = conn.execute("SELECT count(*) FROM pg_database"
-                           " WHERE datname LIKE 'skiplock\\_pgqueuer%'").fetchone()
-    assert row == (0,)
+    assert len(pgqueuer_databases.names) == 1
+    assert pgqueuer_databases.left_on(pg_dsn) == []
 
 
 def test_bench_e2e_keeps_each_round_and_reports_the_median(pg_dsn: str, tmp_path: Path) -> None:

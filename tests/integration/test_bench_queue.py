@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -66,11 +67,9 @@ def test_bench_queue_writes_a_self_describing_result(
     assert row == (0,)
 
 
-# Its check that no skiplock_pgqueuer database is left looks at the whole server: the other
-# test that checks so (test_bench_e2e) runs on the same xdist worker, never at the same time.
-@pytest.mark.xdist_group("pgqueuer-databases")
 def test_bench_queue_against_pgqueuer_measures_it_beside_the_reference(
-        pg_dsn: str, tmp_path: Path, assert_ratio: Callable[..., None]) -> None:
+        pg_dsn: str, tmp_path: Path, assert_ratio: Callable[..., None],
+        pgqueuer_databases: Any) -> None:
     """pgqueuer's own QueueManager processes drain the same backlog on the same server, and
     their database is gone afterwards."""
     pytest.importorskip("pgqueuer", reason="pip install 'skiplock[pgqueuer]'")
@@ -85,10 +84,8 @@ def test_bench_queue_against_pgqueuer_measures_it_beside_the_reference(
     assert 0 < doc["pgqueuer"]["jobs"] <= 3000
     assert doc["pgqueuer"]["version"]
     assert_ratio(doc["ratio_to_pgqueuer"], doc["queue"], doc["pgqueuer"])
-    with psycopg.connect(pg_dsn) as conn:
-        row = conn.execute("SELECT count(*) FROM pg_database "
-                           "WHERE datname LIKE 'skiplock\\_pgqueuer%'").fetchone()
-    assert row == (0,)
+    assert len(pgqueuer_databases.names) == 1
+    assert pgqueuer_databases.left_on(pg_dsn) == []
 
 
 def test_bench_queue_against_bullmq_on_the_embedded_redis_leaves_nothing(
