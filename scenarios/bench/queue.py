@@ -312,8 +312,11 @@ def _print_summary(queue: PhaseResult, ceiling: PhaseResult, ratio: float | None
 
 def _one_round(dsn: str, params: Params, against: str | None,
                redis: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The reference's two phases, then the other queue's, if any."""
-    result = measure(dsn, params)
+    """The other queue's phase, if any, then the reference's two. The two queues compared
+    run back to back, the reference's prefill between them: with the raw-SQL ceiling
+    between them instead, they were half a minute apart, and this machine's speed can
+    change several times within that (a round measured PgQueue at 2,900 jobs/s for four
+    seconds, then at 10,000)."""
     other: dict[str, Any] | None = None
     if against == "bullmq":
         from skiplock.scenarios.bench.bullmq import bullmq_phase, redis_record
@@ -327,7 +330,7 @@ def _one_round(dsn: str, params: Params, against: str | None,
         other = pgqueuer_phase(dsn, workers=params.workers, batch=params.batch,
                                duration=params.duration, prefill=params.prefill, say=_say,
                                vacuum=params.fill == "vacuumed")
-    return result, other
+    return measure(dsn, params), other
 
 
 def _versus(result: dict[str, Any], other: dict[str, Any], against: str) -> dict[str, Any]:
