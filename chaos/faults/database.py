@@ -96,7 +96,7 @@ class TerminateBackends(Fault):
     database (never the harness's own): transactions in flight roll back, and a COMMIT
     under way may or may not have happened. Instantaneous: it returns once the terminated
     backends are gone (or after a short wait). In phase "commit" it lasts instead: for its
-    duration it ends up to `count` sessions caught inside a COMMIT (`_CommitHunt`)."""
+    duration it ends up to `count` sessions caught committing (`_CommitHunt`)."""
 
     kind = "terminate_backends"
     _hunt: _CommitHunt | None = None
@@ -136,19 +136,31 @@ class TerminateBackends(Fault):
         _HOLDING.discard(self)
         self.data["terminated"] = hunt.terminated
         self.data["polls"] = hunt.polls
+        self.data["widened"] = hunt.widened
         if hunt.error is not None:
             self.data["error"] = hunt.error
 
 
 # How often a commit-phase terminate_backends looks for sessions inside a COMMIT.
 COMMIT_POLL_SECONDS = 0.001
+# A commit sent as its own COMMIT statement shows as one in pg_stat_activity. A statement on
+# an autocommit session, or a pipeline committed at its Sync, commits without one: the
+# session shows the statement's text while it waits for its commit's WAL flush (these wait
+# events; on a server that does not wait for the flush, nothing shows it). The hunt ends such
+# sessions only once it has seen this many of them and not one COMMIT statement: a queue that
+# sends COMMIT statements (the reference's claims) keeps the hunt on those, and one that never
+# does (pgqueuer's dequeue) is hunted at all.
+WAL_FLUSH_WAITS = (("IO", "WALSync"), ("IO", "WALWrite"), ("LWLock", "WALWrite"))
+FLUSHES_BEFORE_WIDENING = 20
 
 
 class _CommitHunt:
     """terminate_backends in phase "commit": a thread that, until stopped or `count`
     sessions are ended, ends every session of the system under test found active in a
     COMMIT. Such a COMMIT may complete before the session dies: its client hears only the
-    error, so a claim committed there is one its worker never sees."""
+    error, so a claim committed there is one its worker never sees. A system under test
+    that never sends a COMMIT statement is hunted in its statements' own commits instead
+    (`FLUSHES_BEFORE_WIDENING`); `widened` says whether this hunt did."""
 
     def __init__(self, dsn: str, prefix: str, count: int) -> None:
         self._conn = _connect(dsn, TERMINATE_APPLICATION_NAME)
@@ -156,26 +168,41 @@ class _CommitHunt:
         self._count = count
         self.terminated = 0
         self.polls = 0
+        self.commit_statements = 0
+        self.flush_waits = 0
         self.error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="terminate-commits", daemon=True)
         self._thread.start()
+
+    @property
+    def widened(self) -> bool:
+        return not self.commit_statements and self.flush_waits >= FLUSHES_BEFORE_WIDENING
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set() and self.terminated < self._count:
                 rows = self._conn.execute(
                     """
-                    SELECT pid, pg_terminate_backend(pid)
+                    SELECT query = 'COMMIT' AS statement,
+                        CASE WHEN query = 'COMMIT' OR %(widened)s
+                            THEN pg_terminate_backend(pid) END AS done
                     FROM pg_stat_activity
-                    WHERE application_name LIKE %s ESCAPE '\\'
+                    WHERE application_name LIKE %(prefix)s ESCAPE '\\'
                       AND datname = current_database()
                       AND pid <> pg_backend_pid()
-                      AND state = 'active' AND query = 'COMMIT'
+                      AND state = 'active'
+                      AND (query = 'COMMIT'
+                           OR (wait_event_type, wait_event) IN (SELECT * FROM unnest(
+                               %(types)s::text[], %(events)s::text[])))
                     """,
-                    (self._prefix,),
+                    {"widened": self.widened, "prefix": self._prefix,
+                     "types": [kind for kind, _ in WAL_FLUSH_WAITS],
+                     "events": [event for _, event in WAL_FLUSH_WAITS]},
                 ).fetchall()
                 self.polls += 1
+                self.commit_statements += sum(1 for statement, _ in rows if statement)
+                self.flush_waits += sum(1 for statement, _ in rows if not statement)
                 self.terminated += sum(1 for _, done in rows if done)
                 self._stop.wait(COMMIT_POLL_SECONDS)
         except psycopg.Error as exc:  # the server restarted under it: the hunt ends

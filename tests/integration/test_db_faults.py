@@ -179,6 +179,41 @@ def test_terminate_backends_aimed_at_commits_ends_claims_as_they_commit(
         assert alive(idle)
     assert fault.data["terminated"] == 3 and errors >= 1
     assert fault.data["phase"] == "commit" and fault.data["polls"] > 0
+    # The claims send COMMIT statements: the hunt stays on them.
+    assert fault.data["widened"] is False
+
+
+@pytest.mark.chaos
+def test_terminate_backends_aimed_at_commits_finds_commits_without_a_commit_statement(
+        owned_pg_server: PgServer) -> None:
+    """A system under test whose every write commits on its own (autocommit, as pgqueuer's
+    dequeue) never shows a COMMIT statement: on a server that waits for the WAL flush the
+    hunt finds its sessions committing, and ends them there."""
+    dsn = owned_pg_server.dsn
+    prefix = f"skiplock-sut-s_{uuid.uuid4().hex[:8]}-"
+    with connect(dsn, "skiplock-test-setup") as conn:
+        conn.execute("CREATE TABLE written (id bigint PRIMARY KEY)")
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+    planned = PlannedFault(kind="terminate_backends", at=0.0, duration=10.0, count=1,
+                           probability=1.0, external="skip", seed=7, phase="commit")
+    fault = TerminateBackends(FakeContext(dsn=dsn, app_prefix=prefix), planned)
+    writer = connect(dsn, prefix + "worker-1")
+    written = 0
+    try:
+        assert fault.apply() == ["postgres"]
+        deadline = time.monotonic() + 10.0
+        with pytest.raises(psycopg.OperationalError):
+            while time.monotonic() < deadline:
+                writer.execute("INSERT INTO written VALUES (%s)", [written])
+                written += 1
+    finally:
+        fault.heal()
+        writer.close()
+    assert fault.data["terminated"] == 1 and fault.data["widened"] is True
+    with connect(dsn, "skiplock-test-after") as conn:
+        rows = conn.execute("SELECT count(*) FROM written").fetchone()
+    # The insert cut while it committed may have committed or not; none after it ran.
+    assert rows is not None and rows[0] in (written, written + 1)
 
 
 # --- cancel_statements -----------------------------------------------------------------------
