@@ -329,6 +329,9 @@ class NemesisContext(Protocol):
     server_owned: bool
     lease_seconds: float
     http_timeout_seconds: float
+    # The queue's claim is a transaction of its own, ended by a COMMIT statement
+    # (`Guarantees.claim_transaction`): where a commit-phase terminate_backends looks.
+    claim_transaction: bool
 
     @property
     def account_limits(self) -> Mapping[str, int | None]:

@@ -103,8 +103,9 @@ class TerminateBackends(Fault):
 
     def apply(self) -> list[str | None]:
         if self.planned.phase == "commit":
-            # Lasting: ends up to `count` sessions caught in a COMMIT until healed.
-            self._hunt = _CommitHunt(self.ctx.dsn, self.ctx.app_prefix, self.planned.count)
+            # Lasting: ends up to `count` sessions caught committing until healed.
+            self._hunt = _CommitHunt(self.ctx.dsn, self.ctx.app_prefix, self.planned.count,
+                                     claim_transaction=self.ctx.claim_transaction)
             _HOLDING.add(self)
             self.data["phase"] = "commit"
             return ["postgres"]
@@ -136,73 +137,72 @@ class TerminateBackends(Fault):
         _HOLDING.discard(self)
         self.data["terminated"] = hunt.terminated
         self.data["polls"] = hunt.polls
-        self.data["widened"] = hunt.widened
+        self.data["aim"] = hunt.aim
         if hunt.error is not None:
             self.data["error"] = hunt.error
 
 
 # How often a commit-phase terminate_backends looks for sessions inside a COMMIT.
 COMMIT_POLL_SECONDS = 0.001
-# A commit sent as its own COMMIT statement shows as one in pg_stat_activity. A statement on
-# an autocommit session, or a pipeline committed at its Sync, commits without one: the
-# session shows the statement's text while it waits for its commit's WAL flush (these wait
-# events; on a server that does not wait for the flush, nothing shows it). The hunt ends such
-# sessions only once it has seen this many of them and not one COMMIT statement: a queue that
-# sends COMMIT statements (the reference's claims) keeps the hunt on those, and one that never
-# does (pgqueuer's dequeue) is hunted at all.
+# A claim that is a transaction of its own ends in a COMMIT statement, which pg_stat_activity
+# shows. A claim that commits alone (an autocommit statement, as pgqueuer's dequeue, or
+# statements committed at a pipeline's end) never shows one: its session shows the claim's
+# text while it waits for its commit's WAL flush, in one of these wait events. (A server
+# that does not wait for the flush, with synchronous_commit or fsync off, shows none.)
 WAL_FLUSH_WAITS = (("IO", "WALSync"), ("IO", "WALWrite"), ("LWLock", "WALWrite"))
-FLUSHES_BEFORE_WIDENING = 20
 
 
 class _CommitHunt:
     """terminate_backends in phase "commit": a thread that, until stopped or `count`
-    sessions are ended, ends every session of the system under test found active in a
-    COMMIT. Such a COMMIT may complete before the session dies: its client hears only the
-    error, so a claim committed there is one its worker never sees. A system under test
-    that never sends a COMMIT statement is hunted in its statements' own commits instead
-    (`FLUSHES_BEFORE_WIDENING`); `widened` says whether this hunt did."""
+    sessions are ended, ends sessions of the system under test caught committing. Such a
+    commit may complete before the session dies: its client hears only the error, so a
+    claim committed there is one its worker never sees. With `claim_transaction` (the
+    queue's `Guarantees`) it ends only sessions running a COMMIT statement, where such a
+    queue's claims commit; without, sessions waiting for a commit's WAL flush as well
+    (`WAL_FLUSH_WAITS`), where a claim that commits alone does."""
 
-    def __init__(self, dsn: str, prefix: str, count: int) -> None:
+    def __init__(self, dsn: str, prefix: str, count: int, *, claim_transaction: bool) -> None:
         self._conn = _connect(dsn, TERMINATE_APPLICATION_NAME)
         self._prefix = like_prefix(prefix)
         self._count = count
+        self._flush_waits = [] if claim_transaction else list(WAL_FLUSH_WAITS)
         self.terminated = 0
         self.polls = 0
-        self.commit_statements = 0
-        self.flush_waits = 0
         self.error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="terminate-commits", daemon=True)
         self._thread.start()
 
     @property
-    def widened(self) -> bool:
-        return not self.commit_statements and self.flush_waits >= FLUSHES_BEFORE_WIDENING
+    def aim(self) -> str:
+        return "commit flushes" if self._flush_waits else "COMMIT statements"
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set() and self.terminated < self._count:
+                # At most the sessions still to end: several may wait on one flush at once.
                 rows = self._conn.execute(
                     """
-                    SELECT query = 'COMMIT' AS statement,
-                        CASE WHEN query = 'COMMIT' OR %(widened)s
-                            THEN pg_terminate_backend(pid) END AS done
-                    FROM pg_stat_activity
-                    WHERE application_name LIKE %(prefix)s ESCAPE '\\'
-                      AND datname = current_database()
-                      AND pid <> pg_backend_pid()
-                      AND state = 'active'
-                      AND (query = 'COMMIT'
-                           OR (wait_event_type, wait_event) IN (SELECT * FROM unnest(
-                               %(types)s::text[], %(events)s::text[])))
+                    WITH caught AS (
+                        SELECT pid
+                        FROM pg_stat_activity
+                        WHERE application_name LIKE %(prefix)s ESCAPE '\\'
+                          AND datname = current_database()
+                          AND pid <> pg_backend_pid()
+                          AND state = 'active'
+                          -- COMMIT as a client sends it: asyncpg sends "COMMIT;".
+                          AND (upper(btrim(query, E' ;\\n\\r\\t')) IN ('COMMIT', 'END')
+                               OR (wait_event_type, wait_event) IN (
+                                   SELECT * FROM unnest(%(types)s::text[], %(events)s::text[])))
+                        LIMIT %(left)s
+                    )
+                    SELECT pid, pg_terminate_backend(pid) FROM caught
                     """,
-                    {"widened": self.widened, "prefix": self._prefix,
-                     "types": [kind for kind, _ in WAL_FLUSH_WAITS],
-                     "events": [event for _, event in WAL_FLUSH_WAITS]},
+                    {"prefix": self._prefix, "left": self._count - self.terminated,
+                     "types": [kind for kind, _ in self._flush_waits],
+                     "events": [event for _, event in self._flush_waits]},
                 ).fetchall()
                 self.polls += 1
-                self.commit_statements += sum(1 for statement, _ in rows if statement)
-                self.flush_waits += sum(1 for statement, _ in rows if not statement)
                 self.terminated += sum(1 for _, done in rows if done)
                 self._stop.wait(COMMIT_POLL_SECONDS)
         except psycopg.Error as exc:  # the server restarted under it: the hunt ends

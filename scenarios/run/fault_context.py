@@ -69,6 +69,8 @@ class LiveRun:
     targets: list[TargetProcess] = field(default_factory=list)
     spec: ScenarioSpec | None = None
     load_start: float = 0.0
+    # The queue's `Guarantees.claim_transaction`.
+    claim_transaction: bool = True
 
 
 class TargetHandle:
@@ -102,6 +104,7 @@ class FaultContext:
         self.lease_seconds = ctx.spec.lease
         self.http_timeout_seconds = ctx.spec.http_timeout
         self.account_limits = dict(ctx.spec.accounts)
+        self.claim_transaction = ctx.claim_transaction
         self._failpoints: dict[str, float] = {}
         self._lock = threading.Lock()
 

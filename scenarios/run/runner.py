@@ -32,8 +32,10 @@ from typing import TYPE_CHECKING, Any
 from skiplock.plumbing.errors import HarnessError, Unhonoured, UsageError
 from skiplock.queue_impl.config import DispatcherConfig
 from skiplock.queue_impl.interface import (
+    REFERENCE_GUARANTEES,
     Account,
     ChecksStatements,
+    Guarantees,
     QueueBackend,
     RunsOwnWorker,
     StatementError,
@@ -171,6 +173,8 @@ class _RunState:
     final_jobs: int | None = None
     snapshot_note: str | None = None
     phases: list[dict[str, Any]] = field(default_factory=list)
+    # What the queue promises, once it is created.
+    promised: Guarantees = REFERENCE_GUARANTEES
 
     def write_run_info(self) -> RunInfo:
         """run.json: how the run went, as far as it got."""
@@ -456,6 +460,7 @@ def _set_up_queue(run: _RunState, stack: contextlib.ExitStack, server: PgServer)
         run.refused = True
         raise Unhonoured(refusal)
     run.description["guarantees"] = promised.to_json()
+    run.promised = promised
     run.description["lease"] = lease_kind(queue)
     _, dropped = honoured_faults(run.spec, options.backend, promised)
     if dropped:
@@ -550,7 +555,9 @@ def _run_load(
     run.phase("warmup")
     nemesis.start(LiveRun(run_dir=run.run_dir, server=server, pool=pool,
                            nemesis_log=nemesis_log, schema=run.schema, targets=target.members,
-                           spec=spec, load_start=start_at + spec.warmup), run.options.seed)
+                           spec=spec, load_start=start_at + spec.warmup,
+                           claim_transaction=run.promised.claim_transaction),
+                   run.options.seed)
     try:
         stopped = wait_phases(spec, producers, start_at, run.phase,
                               watch=lambda: check_disk(run.run_dir))

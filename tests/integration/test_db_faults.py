@@ -52,6 +52,7 @@ class FakeContext:
     lease_seconds: float = 2.0
     http_timeout_seconds: float = 1.0
     account_limits: dict[str, int | None] = field(default_factory=dict)
+    claim_transaction: bool = True
 
     def restart_server(self) -> None:
         assert self.restart is not None, "restart_server called on a server not owned"
@@ -179,41 +180,96 @@ def test_terminate_backends_aimed_at_commits_ends_claims_as_they_commit(
         assert alive(idle)
     assert fault.data["terminated"] == 3 and errors >= 1
     assert fault.data["phase"] == "commit" and fault.data["polls"] > 0
-    # The claims send COMMIT statements: the hunt stays on them.
-    assert fault.data["widened"] is False
+    assert fault.data["aim"] == "COMMIT statements"
 
 
-@pytest.mark.chaos
-def test_terminate_backends_aimed_at_commits_finds_commits_without_a_commit_statement(
-        owned_pg_server: PgServer) -> None:
-    """A system under test whose every write commits on its own (autocommit, as pgqueuer's
-    dequeue) never shows a COMMIT statement: on a server that waits for the WAL flush the
-    hunt finds its sessions committing, and ends them there."""
-    dsn = owned_pg_server.dsn
+@dataclass
+class Hunted:
+    """What a commit-phase terminate_backends did to one session writing in a loop."""
+
+    aim: str
+    terminated: int
+    cut: bool  # the session saw its connection end
+    written: int  # writes that returned
+    kept: int  # rows the table holds afterwards
+
+
+Write = Callable[[psycopg.Connection[Any], sql.Composed, int], None]
+
+
+def hunt_a_writer(dsn: str, write: Write, *, claim_transaction: bool,
+                  seconds: float) -> Hunted:
+    """Run a commit hunt (`count` 1) while one session of the system under test writes row
+    after row with `write` (given the INSERT of one), until it is cut or `seconds` pass."""
     prefix = f"skiplock-sut-s_{uuid.uuid4().hex[:8]}-"
+    table = f"written_{uuid.uuid4().hex[:8]}"
     with connect(dsn, "skiplock-test-setup") as conn:
-        conn.execute("CREATE TABLE written (id bigint PRIMARY KEY)")
-        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
-    planned = PlannedFault(kind="terminate_backends", at=0.0, duration=10.0, count=1,
+        conn.execute(sql.SQL("CREATE TABLE {} (id bigint PRIMARY KEY)").format(
+            sql.Identifier(table)))
+    planned = PlannedFault(kind="terminate_backends", at=0.0, duration=seconds, count=1,
                            probability=1.0, external="skip", seed=7, phase="commit")
-    fault = TerminateBackends(FakeContext(dsn=dsn, app_prefix=prefix), planned)
+    fault = TerminateBackends(FakeContext(dsn=dsn, app_prefix=prefix,
+                                          claim_transaction=claim_transaction), planned)
+    insert = sql.SQL("INSERT INTO {} VALUES (%s)").format(sql.Identifier(table))
     writer = connect(dsn, prefix + "worker-1")
-    written = 0
+    written, cut = 0, False
     try:
         assert fault.apply() == ["postgres"]
-        deadline = time.monotonic() + 10.0
-        with pytest.raises(psycopg.OperationalError):
-            while time.monotonic() < deadline:
-                writer.execute("INSERT INTO written VALUES (%s)", [written])
-                written += 1
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            write(writer, insert, written)
+            written += 1
+    except psycopg.OperationalError:
+        cut = True
     finally:
         fault.heal()
         writer.close()
-    assert fault.data["terminated"] == 1 and fault.data["widened"] is True
     with connect(dsn, "skiplock-test-after") as conn:
-        rows = conn.execute("SELECT count(*) FROM written").fetchone()
-    # The insert cut while it committed may have committed or not; none after it ran.
-    assert rows is not None and rows[0] in (written, written + 1)
+        row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(
+            sql.Identifier(table))).fetchone()
+    assert row is not None
+    return Hunted(aim=fault.data["aim"], terminated=fault.data["terminated"], cut=cut,
+                  written=written, kept=row[0])
+
+
+def autocommit_insert(conn: psycopg.Connection[Any], insert: sql.Composed, n: int) -> None:
+    conn.execute(insert, [n])
+
+
+@pytest.mark.chaos
+def test_terminate_backends_aimed_at_commits_finds_claims_that_commit_alone(
+        owned_pg_server: PgServer) -> None:
+    """A queue whose claim is no transaction of its own (`claim_transaction` false, as
+    pgqueuer's autocommit dequeue) never sends a COMMIT statement: on a server that waits
+    for the WAL flush the hunt finds its sessions committing, and ends them there. A queue
+    whose claims do send one is hunted in those alone: its other statements, committing
+    alone, are left."""
+    dsn = owned_pg_server.dsn
+    with connect(dsn, "skiplock-test-setup") as conn:
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+    alone = hunt_a_writer(dsn, autocommit_insert, claim_transaction=False, seconds=10.0)
+    assert alone.aim == "commit flushes"
+    assert alone.cut and alone.terminated == 1
+    # Cut inside its commit's flush: the write committed, whether or not it had returned.
+    assert alone.kept in (alone.written, alone.written + 1)
+    left = hunt_a_writer(dsn, autocommit_insert, claim_transaction=True, seconds=1.5)
+    assert left.aim == "COMMIT statements"
+    assert not left.cut and left.terminated == 0 and left.kept == left.written > 0
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("commit", ["COMMIT", "commit;"])
+def test_terminate_backends_aimed_at_commits_knows_a_commit_statement_as_clients_send_it(
+        owned_pg_server: PgServer, commit: str) -> None:
+    """asyncpg sends "COMMIT;": a COMMIT statement all the same."""
+    def in_a_transaction(conn: psycopg.Connection[Any], insert: sql.Composed, n: int) -> None:
+        conn.execute("BEGIN")
+        conn.execute(insert, [n])
+        conn.execute(commit)
+
+    hunted = hunt_a_writer(owned_pg_server.dsn, in_a_transaction, claim_transaction=True,
+                           seconds=10.0)
+    assert hunted.cut and hunted.terminated == 1
 
 
 # --- cancel_statements -----------------------------------------------------------------------

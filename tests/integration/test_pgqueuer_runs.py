@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from skiplock.reports.history import LOG_SUFFIX, WORKER_LOG, WORKERS_DIR, read_log
@@ -118,3 +119,29 @@ def test_pause_workers_on_pgqueuer_drops_only_the_claim_phase_pause(pg_dsn: str,
     verdict = json.loads((run_dir / "verdict.json").read_text())
     assert done.returncode in (0, 1, 3), said[-3000:]
     assert verdict["counts"]["enqueued"] > 0
+
+
+def test_db_faults_on_pgqueuer_hunts_its_claims_in_their_own_commits(pg_dsn: str,
+                                                                   tmp_path: Path) -> None:
+    """pgqueuer's dequeue commits alone (no claim transaction, so no COMMIT statement): the
+    commit-phase terminate_backends looks for its sessions waiting for a commit's flush, and
+    on a server that waits for one it ends some there."""
+    out = tmp_path / "runs"
+    done = subprocess.run(
+        [sys.executable, "-m", "skiplock", "run", "db-faults", "--backend", BACKEND,
+         "--out", str(out), "--quiet", "--json", "--no-report", "--seed", "5"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "SKIPLOCK_PG_DSN": pg_dsn})
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    # Judged, whatever the verdict (workers that stop on a cut connection leave it unknown).
+    assert done.returncode in (0, 1, 3), done.stderr[-3000:]
+    (run_dir,) = out.iterdir()
+    faults = [json.loads(line) for line in (run_dir / "nemesis.jsonl").read_text().splitlines()]
+    hunts = [f["data"] for f in faults
+             if f.get("fault") == "terminate_backends" and (f.get("data") or {}).get("phase")]
+    assert hunts and all(h["aim"] == "commit flushes" for h in hunts), hunts
+    with psycopg.connect(pg_dsn) as conn:
+        waits = [conn.execute("SHOW fsync").fetchone(),
+                 conn.execute("SHOW synchronous_commit").fetchone()]
+    if waits == [("on",), ("on",)]:
+        assert sum(h["terminated"] for h in hunts) > 0, hunts

@@ -294,6 +294,7 @@ class FakeContext:
     lease_seconds: float = 10.0
     http_timeout_seconds: float = 1.0
     account_limits: dict[str, int | None] = field(default_factory=dict)
+    claim_transaction: bool = True
     calls: list[str] = field(default_factory=list)
 
     def targets(self) -> Sequence[TargetHandle]:

@@ -71,3 +71,13 @@ def test_the_help_and_the_docs_name_every_kind() -> None:
         assert name in action.help
         assert f"`{name}`" in docs, name
         assert BY_NAME[name].does
+
+
+def test_the_docs_name_the_waits_a_commit_hunt_looks_for() -> None:
+    from skiplock.chaos.faults.database import WAL_FLUSH_WAITS
+
+    text = (ROOT / "docs" / "reference" / "scenario-files.md").read_text()
+    named = {f"{kind}:{event}" for kind, event in WAL_FLUSH_WAITS}
+    assert named and all(f"`{name}`" in text for name in named)
+    listed = text.split("a commit's WAL flush (", 1)[1].split(")", 1)[0]
+    assert set(listed.replace("`", "").split(", ")) == named

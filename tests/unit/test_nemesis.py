@@ -173,6 +173,7 @@ class FakeContext:
     server_owned: bool = True
     lease_seconds: float = 4.0
     http_timeout_seconds: float = 1.0
+    claim_transaction: bool = True
     account_limits: dict[str, int | None] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
