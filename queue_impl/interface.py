@@ -160,8 +160,10 @@ class Guarantees:
     # of an account with a free slot is not left waiting while later jobs of other accounts
     # are claimed (`starvation`).
     fairness: bool = True
-    # The pause_in_claim fault: the queue's claim is a transaction the harness can stall
-    # between its statements and its COMMIT.
+    # The queue's claim is a transaction of its own, ended by a COMMIT statement: the
+    # pause_in_claim fault stalls it between its statements and its COMMIT, and the
+    # commit-phase terminate_backends looks for that COMMIT (without one, for commits
+    # waiting on their WAL flush).
     claim_transaction: bool = True
     # Recovery of expired leases can be switched off (`recovery = false`, --no-recovery):
     # the harness's own loop runs it; a library's loop may always run its own.

@@ -142,7 +142,7 @@ class TerminateBackends(Fault):
             self.data["error"] = hunt.error
 
 
-# How often a commit-phase terminate_backends looks for sessions inside a COMMIT.
+# How often a commit-phase terminate_backends looks for sessions caught committing.
 COMMIT_POLL_SECONDS = 0.001
 # A claim that is a transaction of its own ends in a COMMIT statement, which pg_stat_activity
 # shows. A claim that commits alone (an autocommit statement, as pgqueuer's dequeue, or
