@@ -72,8 +72,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help=f"time each size's claims this many times over (1 to "
                              f"{MAX_ROUNDS}; default 1): the result keeps each round, so "
-                             "`skiplock compare` can tell "
-                             "noise from a change")
+                             "`skiplock compare` can tell noise from a change")
     parser.add_argument("--sql", default=None, metavar="FILE",
                         help="your own claim blocks (as `skiplock run --sql`)")
     parser.add_argument("--dsn", default=None,
