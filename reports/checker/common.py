@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -29,10 +29,21 @@ class Example:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
+def objects(column: pd.Series) -> np.ndarray:
+    """A column's values as a numpy array; a categorical's (the text columns of the
+    deliveries and events, see `join`) as str objects with None where a value is missing,
+    as it was read (a categorical's own `to_numpy` gives NaN there)."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        values = column.array
+        return cast(np.ndarray, np.append(values.categories.to_numpy(dtype=object),
+                                          np.array([None]))[values.codes])
+    return column.to_numpy()
+
+
 def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     """Rows as dicts of plain Python values (much faster than DataFrame.to_dict)."""
     names = [str(c) for c in frame.columns]
-    values = [frame[c].tolist() for c in frame.columns]
+    values = [objects(frame[c]).tolist() for c in frame.columns]
     return [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
 
 

@@ -25,7 +25,7 @@ from skiplock.reports.checker.faults import (
     fault_span,
 )
 from skiplock.reports.checker.join import History
-from skiplock.reports.checker.read import data_dict
+from skiplock.reports.checker.read import Nested
 
 # How long after it was due a retry's claim may come (a poll, a busy worker), for the window
 # in which a kill may have hidden it (Explainer._unlogged_claim).
@@ -34,14 +34,17 @@ TRAILING_CLAIM_SLACK_SECONDS = 2.0
 _DATA_FIELDS = ("name", "lost", "error", "reason", "outcome", "started", "end")
 
 
-def _with_data(rec: dict[str, Any], value: Any) -> dict[str, Any]:
-    """An event record with the fields of its `data` (`value`) the explanations read."""
-    data = data_dict(value)
-    for key in _DATA_FIELDS:
-        rec[key] = data.get(key)
-    if rec.get("result") is None:
-        rec["result"] = data.get("result")
-    return rec
+def _records_with_data(events: pd.DataFrame, data: Nested) -> list[dict[str, Any]]:
+    """The records of `events` (rows of the history's events, in order), each with the fields
+    of its `data` the explanations read."""
+    fields = data.fields((*_DATA_FIELDS, "result"), events.index.to_numpy())
+    out = records(events)
+    for n, rec in enumerate(out):
+        for key in _DATA_FIELDS:
+            rec[key] = fields[key][n]
+        if rec.get("result") is None:
+            rec["result"] = fields["result"][n]
+    return out
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,7 @@ class Explainer:
         # Worker-wide deaths: a failpoint or an error stop ends every lease the worker held.
         self.deaths: dict[str, list[dict[str, Any]]] = defaultdict(list)
         ends = ev[ev["kind"].isin(["failpoint", "stop"])]
-        data = history.event_data
-        for rec, value in zip(records(ends), data.pick(ends.index.to_numpy()), strict=True):
-            rec = _with_data(rec, value)
+        for rec in _records_with_data(ends, history.event_data):
             if rec["kind"] == "failpoint" or str(rec["reason"]).startswith("error"):
                 self.deaths[str(rec["worker"])].append(rec)
 
@@ -99,12 +100,10 @@ class Explainer:
         idx = np.sort(np.concatenate([self._order[a:b] for a, b in
                                       zip(lo.tolist(), hi.tolist(), strict=True)]))
         found: dict[int, dict[float, list[dict[str, Any]]]] = {int(j): {} for j in wanted}
-        ev = self._history.events.iloc[idx]
-        data = self._history.event_data.pick(ev.index.to_numpy())
-        for rec, value in zip(records(ev), data, strict=True):
+        for rec in _records_with_data(self._history.events.iloc[idx],
+                                      self._history.event_data):
             if not math.isnan(rec["attempt"]):
-                found[int(rec["job"])].setdefault(float(rec["attempt"]), []).append(
-                    _with_data(rec, value))
+                found[int(rec["job"])].setdefault(float(rec["attempt"]), []).append(rec)
         self._of_job.update(found)
 
     def attempts(self, job: int) -> dict[float, list[dict[str, Any]]]:

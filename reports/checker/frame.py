@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from skiplock.queue_impl.interface import JobStatus
+from skiplock.reports.checker.common import objects
 from skiplock.reports.checker.join import History
 from skiplock.reports.checker.run_config import RunConfig
 from skiplock.reports.history import HistoryError
@@ -201,7 +202,7 @@ class Frame:
 
     @cached_property
     def _columns(self) -> dict[str, np.ndarray]:
-        return {str(c): self.rows.d[c].to_numpy() for c in self.rows.d.columns}
+        return {str(c): objects(self.rows.d[c]) for c in self.rows.d.columns}
 
     def record(self, row: int) -> dict[str, Any]:
         """Delivery `row` as a dict of plain Python values (looked up once)."""

@@ -37,8 +37,9 @@ def _script_codes(table: Table, rows: np.ndarray) -> tuple[np.ndarray, list[Any]
     if table.typed:
         # Equal scripts have equal codes in every leaf (and in whether each object is there).
         parts = [cast(pa.ChunkedArray, part) for part in nested.parts]
+        # Taken from the chunks as they are: only the invokes' rows are copied.
         column = pa.chunked_array([c for part in parts for c in part.chunks],
-                                  parts[0].type).combine_chunks().take(pa.array(rows))
+                                  parts[0].type).take(pa.array(rows)).combine_chunks()
         leaves = [column.is_valid(), *_leaves(column)]
         code = np.zeros(len(rows), dtype=np.int64)
         bound = 1  # every code is below it
@@ -204,7 +205,7 @@ class JobUniverse:
         ack = _acks(enq, types, job_of_id[enq_ids], len(job_ids))
         return cls(
             job_ids=job_ids,
-            account=enq.columns["account"][invoke_rows],
+            account=enq.text("account", invoke_rows),
             max_attempts=max_attempts,
             script_codes=np.asarray(script_codes, dtype=np.int64),
             scripts=scripts,
@@ -287,14 +288,15 @@ def deliveries_of(dl: Table, jobs: JobUniverse) -> pd.DataFrame:
         "job": jobs.of(dl),
         "job_id": pd.Series(jobs.id_column(dl), dtype=object),
         "attempt": dl.number("attempt", "delivery", required=False),
-        "account": pd.Series(dl.columns["account"], dtype=object),
-        "worker": pd.Series(dl.columns["worker"], dtype=object),
-        "target": pd.Series(dl.columns["target"], dtype=object),
+        # Few distinct values each: categoricals, made from the codes Arrow gave.
+        "account": dl.categorical("account"),
+        "worker": dl.categorical("worker"),
+        "target": dl.categorical("target"),
         "received": dl.number("received", "delivery", required=True, time=True),
         "answered": dl.number("answered", "delivery", required=False, time=True),
         "status": dl.number("status", "delivery", required=False),
-        "behaviour": pd.Series(dl.columns["behaviour"], dtype=object),
-    })
+        "behaviour": dl.categorical("behaviour"),
+    }, copy=False)  # the columns are this frame's alone: no copy of a million rows
     # The target writes a delivery's answer time and status together, or neither (never
     # answered): one without the other is damage, and judging it would guess.
     no_status = np.isnan(deliveries["status"].to_numpy())
@@ -333,19 +335,21 @@ def events_of(ev: Table, jobs: JobUniverse) -> pd.DataFrame:
         row = int(np.flatnonzero(~known_kind.to_numpy())[0])
         raise HistoryError(f"{ev.where(row)}: unknown worker event kind "
                            f"{ev.columns['kind'][row]!r}")
-    result = np.full(len(ev.columns["kind"]), None, dtype=object)
     # The results the judge reads: a write's, and a release's (an applied release gave its
-    # attempt back).
+    # attempt back); a categorical, null for every other event.
     writes = np.flatnonzero((kind == "write") | (kind == "release"))
-    result[writes] = ev.nested["data"].field("result", writes)
+    written = pd.Categorical(ev.nested["data"].field("result", writes))
+    codes = np.full(len(kind), -1, dtype=written.codes.dtype)
+    codes[writes] = written.codes
+    result = pd.Categorical.from_codes(codes, dtype=written.dtype)
     events = pd.DataFrame({
         "kind": kind,
-        "worker": pd.Series(ev.columns["worker"], dtype=object),
+        "worker": ev.categorical("worker"),
         "time": ev.number("time", "worker event", required=True, time=True),
         "job": jobs.of(ev),
         "attempt": ev.number("attempt", "worker event", required=False),
-        "result": pd.Series(result, dtype=object),
-    })
+        "result": result,
+    }, copy=False)
     refuse_bad_times(ev, ev.nested["data"], ("end", "started"), "worker event")
     return events
 

@@ -17,6 +17,7 @@ from skiplock.reports.checker.common import (
     Example,
     attempt_label,
     fmt,
+    objects,
     records,
     times_from,
 )
@@ -207,7 +208,7 @@ def stopped_on_error(h: History) -> list[dict[str, Any]]:
     if not len(rows):
         return []
     reasons = h.event_data.field("reason", ev.index.to_numpy()[rows])
-    workers, times = ev["worker"].to_numpy()[rows], ev["time"].to_numpy()[rows]
+    workers, times = objects(ev["worker"])[rows], ev["time"].to_numpy()[rows]
     found = [{"worker": str(worker), "time": float(time), "reason": reason}
              for worker, time, reason in zip(workers.tolist(), times.tolist(), reasons.tolist(),
                                              strict=True)
@@ -229,7 +230,7 @@ def never_succeeded(h: History) -> tuple[list[str], dict[str, int]]:
     failed = pd.DataFrame({
         "op": h.event_data.field("op", rows),
         "error": h.event_data.field("error", rows),
-        "worker": ev["worker"].to_numpy()[rows],
+        "worker": objects(ev["worker"])[rows],
         "time": ev["time"].to_numpy()[rows],
     }).sort_values("time", kind="stable")
     kinds = ev["kind"]

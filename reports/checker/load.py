@@ -50,7 +50,10 @@ def read_history(run_dirs: Sequence[Path], cache_writes: columnar.BackgroundWrit
     dirs = checked_run_dirs(run_dirs)
     main = dirs[0]
     config = run_config(main / RUN_FILE, read_json(main / SPEC_FILE))
-    kinds = log_kinds(dirs)
+    # Lease tokens key a queue's re-picks apart, for a queue whose attempt number does not
+    # name a claim; no other check reads them.
+    keyed_by_lease = config.guarantees.attempts_count != "claims"
+    kinds = log_kinds(dirs, lease_tokens=keyed_by_lease)
     refuse_repeats([p for _, paths, _ in kinds for p in paths], "a log", "file")
     read = read_parts([(p, source) for _, paths, source in kinds for p in paths], cache_writes)
     # Parsing used every core; what follows uses one, and the cache writes can have another.
@@ -71,7 +74,7 @@ def read_history(run_dirs: Sequence[Path], cache_writes: columnar.BackgroundWrit
     if config.lease_kind == "heartbeat":
         lease_from_sent(events, ev.nested["data"])
     repicks = 0
-    if config.guarantees.attempts_count != "claims":
+    if keyed_by_lease:
         repicks = key_picks_by_lease(events, _objects(ev.tokens["lease_token"]), deliveries,
                                      _objects(dl.tokens["lease"]))
     return History(

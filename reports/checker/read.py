@@ -135,8 +135,9 @@ def _nest_event_data(batch: pa.RecordBatch) -> pa.RecordBatch:
     """A worker event's own fields as one struct column `data`, as they were written."""
     data = pa.StructArray.from_arrays([batch.column(n) for n in _EVENT_DATA],
                                       names=list(_EVENT_DATA))
-    return pa.RecordBatch.from_arrays([*(batch.column(n) for n in _EVENT_BASE), data],
-                                      names=[*_EVENT_BASE, "data"])
+    base = [n for n in _EVENT_BASE if n in batch.schema.names]  # lease_token may be left out
+    return pa.RecordBatch.from_arrays([*(batch.column(n) for n in base), data],
+                                      names=[*base, "data"])
 
 
 _ENQUEUES = _csv_source(
@@ -146,14 +147,28 @@ _ENQUEUES = _csv_source(
     required=("type", "job_id"), filled="type", nest=_nest_script)
 
 
-_DELIVERIES = _csv_source(
-    DELIVERY_LOG, ("job_id", "attempt", "account", "worker", "target", "received", "answered",
-                   "status", "behaviour", "lease"),
-    required=("job_id", "received"), filled="received")
+_DELIVERY_COLUMNS = ("job_id", "attempt", "account", "worker", "target", "received",
+                     "answered", "status", "behaviour", "lease")
+
+
+_DELIVERIES = _csv_source(DELIVERY_LOG, _DELIVERY_COLUMNS, required=("job_id", "received"),
+                          filled="received")
 
 
 _EVENTS = _csv_source(
     WORKER_LOG, (*_EVENT_BASE, *_EVENT_DATA),
+    required=("kind", "time"), filled="time", nest=_nest_event_data)
+
+
+# The same without the lease tokens, for a queue whose attempt number names its claim: the
+# tokens are then never read, and are a sixth of what the logs hold.
+_DELIVERIES_WITHOUT_TOKENS = _csv_source(
+    DELIVERY_LOG, tuple(n for n in _DELIVERY_COLUMNS if n not in TOKENS),
+    required=("job_id", "received"), filled="received")
+
+
+_EVENTS_WITHOUT_TOKENS = _csv_source(
+    WORKER_LOG, tuple(n for n in (*_EVENT_BASE, *_EVENT_DATA) if n not in TOKENS),
     required=("kind", "time"), filled="time", nest=_nest_event_data)
 
 
@@ -210,6 +225,27 @@ class Nested:
                 out.extend(map(_without_nulls, part.take(pa.array(local)).to_pylist()))
         return out
 
+    def fields(self, names: Sequence[str], rows: np.ndarray) -> dict[str, list[Any]]:
+        """Fields of the objects at `rows` (ascending) as Python values, None where absent:
+        what `pick` and then `.get(name)` give, read column by column instead of through a
+        dict per row."""
+        out: dict[str, list[Any]] = {name: [] for name in names}
+        which = np.searchsorted(self.starts, rows, side="right") - 1
+        for k in np.unique(which).tolist():
+            local = rows[which == k] - self.starts[k]
+            part = self.parts[k]
+            if isinstance(part, list):
+                picked = [data_dict(part[i]) for i in local.tolist()]
+                for name in names:
+                    out[name].extend(d.get(name) for d in picked)
+                continue
+            taken = part.take(pa.array(local))
+            for name in names:
+                out[name].extend(pc.struct_field(taken, name).to_pylist()
+                                 if taken.type.get_field_index(name) >= 0
+                                 else [None] * len(local))
+        return out
+
     def numbers(self, name: str, rows: np.ndarray) -> np.ndarray:
         """One number field of the objects at `rows` (ascending) as float64: NaN where it is
         absent or not a number. Arrow's columns are converted whole, without a Python value
@@ -223,7 +259,7 @@ class Nested:
             if isinstance(part, list):
                 values[at] = [_number(data_dict(part[i]).get(name)) for i in local.tolist()]
             elif part.type.get_field_index(name) >= 0:
-                column = pc.struct_field(part.take(pa.array(local)), name)
+                column = pc.struct_field(part, name).take(pa.array(local))
                 if pa.types.is_floating(column.type) or pa.types.is_integer(column.type):
                     values[at] = column.to_numpy(zero_copy_only=False).astype(np.float64)
                 else:
@@ -241,17 +277,23 @@ class Nested:
             if isinstance(part, list):
                 values[at] = [data_dict(part[i]).get(name) for i in local.tolist()]
             elif part.type.get_field_index(name) >= 0:
-                column = pc.struct_field(part.take(pa.array(local)), name)
-                values[at] = column.to_numpy(zero_copy_only=False)
+                column = pc.struct_field(part, name).take(pa.array(local))
+                if pa.types.is_string(column.type):
+                    # Few distinct values (a write's result): one str object each.
+                    column = _coded(column).objects()
+                values[at] = column if isinstance(column, np.ndarray) else column.to_numpy(
+                    zero_copy_only=False)
         return values
 
 
 @dataclass
 class Part:
-    """One file's columns: numbers as float64 (NaN for null), strings as object arrays,
-    `job_id` and the lease tokens (`tokens`) kept in Arrow (one distinct value per job or
-    claim, only ever looked up or matched: a Python string per row would cost more than
-    parsing them), objects as `Nested` parts."""
+    """One file's columns: numbers as float64 (NaN for null); text as `coded` for a file
+    read by Arrow (an object array only once a table needs one: see `validate.Table`), as
+    object arrays in `columns` for one read line by line; `job_id` and the lease tokens
+    (`tokens`) kept in Arrow (one distinct value per job or claim, only ever looked up or
+    matched: a Python string per row would cost more than parsing them); objects as
+    `Nested` parts."""
 
     path: Path
     rows: int
@@ -316,18 +358,22 @@ class Coded:
     codes: np.ndarray
     labels: np.ndarray
 
+    def objects(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """The values (of `rows`, or all) as an object array of str / None, each distinct
+        string one object."""
+        codes = self.codes if rows is None else self.codes[rows]
+        # Code -1 picks the None appended last.
+        return cast(np.ndarray, np.append(self.labels, np.array([None]))[codes])
 
-def _strings(column: pa.ChunkedArray) -> tuple[np.ndarray, Coded]:
-    """An Arrow string column (of few distinct values) as an object array of str / None,
-    through its dictionary so that each string object is made once; and the codes."""
+
+def _coded(column: pa.ChunkedArray) -> Coded:
+    """An Arrow string column (of few distinct values) as codes into its distinct values,
+    hashed once, by Arrow."""
     if len(column) == 0:
-        return np.empty(0, dtype=object), Coded(np.empty(0, dtype=np.int64),
-                                                np.empty(0, dtype=object))
+        return Coded(np.empty(0, dtype=np.int64), np.empty(0, dtype=object))
     encoded = column.combine_chunks().dictionary_encode()
     labels = encoded.dictionary.to_numpy(zero_copy_only=False)
-    codes = encoded.indices.fill_null(-1).to_numpy().astype(np.int64)
-    # Code -1 picks the None appended last.
-    return cast(np.ndarray, np.append(labels, np.array([None]))[codes]), Coded(codes, labels)
+    return Coded(encoded.indices.fill_null(-1).to_numpy().astype(np.int64), labels)
 
 
 def _arrow_part(path: Path, table: pa.Table, truncated: bool, source: Source) -> Part:
@@ -344,7 +390,7 @@ def _arrow_part(path: Path, table: pa.Table, truncated: bool, source: Source) ->
         elif pa.types.is_floating(f.type):
             columns[f.name] = column.to_numpy()
         elif f.name != "job_id":
-            columns[f.name], coded[f.name] = _strings(column)
+            coded[f.name] = _coded(column)
     return Part(path=path, rows=table.num_rows, typed=True, truncated=truncated,
                  columns=columns, job_id=table.column("job_id"), tokens=tokens,
                  nested=nested, header_lines=source.header_lines, coded=coded)
@@ -631,9 +677,11 @@ def checked_run_dirs(run_dirs: Sequence[Path]) -> list[Path]:
     return dirs
 
 
-def log_kinds(dirs: Sequence[Path]) -> list[tuple[str, list[Path], Source]]:
+def log_kinds(dirs: Sequence[Path], *, lease_tokens: bool
+              ) -> list[tuple[str, list[Path], Source]]:
     """Each kind of log (named by its file or directory), its files in every directory,
-    and how it is read; in the order `load` unpacks them."""
+    and how it is read; in the order `load` unpacks them. `lease_tokens`: whether the
+    deliveries' and events' lease tokens (`TOKENS`) are read."""
     main = dirs[0]
     delivery_files = [p for d in dirs for p in _log_files(d / DELIVERIES_DIR)]
     if not delivery_files:
@@ -649,8 +697,9 @@ def log_kinds(dirs: Sequence[Path]) -> list[tuple[str, list[Path], Source]]:
                      *(d / ENQUEUES_FILE for d in dirs[1:] if _is_file(d / ENQUEUES_FILE))]
     return [
         (ENQUEUES_FILE, enqueue_files, _ENQUEUES),
-        (DELIVERIES_DIR, delivery_files, _DELIVERIES),
-        (WORKERS_DIR, worker_files, _EVENTS),
+        (DELIVERIES_DIR, delivery_files,
+         _DELIVERIES if lease_tokens else _DELIVERIES_WITHOUT_TOKENS),
+        (WORKERS_DIR, worker_files, _EVENTS if lease_tokens else _EVENTS_WITHOUT_TOKENS),
         (NEMESIS_FILE, nemesis_files, _FAULTS),
         (FINAL_JOBS_FILE, [main / FINAL_JOBS_FILE], _FINAL),
     ]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from skiplock.reports.checker.common import objects
 from skiplock.reports.checker.faults_over_attempts import http_ends, lease_last
 from skiplock.reports.checker.frame import Frame
 
@@ -38,7 +39,7 @@ def account_slots(f: Frame) -> Slots:
         return empty
     # The account comes from the enqueue (configuration), not from a header the queue sent.
     account = h.job_account[rows.job]
-    account = np.where(pd.isna(account), rows.d["account"].to_numpy(), account)
+    account = np.where(pd.isna(account), objects(rows.d["account"]), account)
     limit = pd.Series(account).map(limits).to_numpy(dtype="float64")
     limited = np.flatnonzero(~np.isnan(limit))
     if not len(limited):

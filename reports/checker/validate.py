@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import pandas as pd
@@ -20,11 +21,26 @@ from skiplock.reports.history import (
 )
 
 
+class Columns(dict[str, np.ndarray]):
+    """A table's columns by name. A text column every file coded (`coded`) becomes an object
+    array only when it is first looked up: most are only compared, counted or made into
+    categoricals, from their codes, and a million-row object array is fresh memory to fill."""
+
+    def __init__(self, columns: dict[str, np.ndarray], coded: dict[str, Coded]) -> None:
+        super().__init__(columns)
+        self._coded = coded
+
+    def __missing__(self, key: str) -> np.ndarray:
+        values = self._coded[key].objects()
+        self[key] = values
+        return values
+
+
 @dataclass
 class Table:
     """Columns read from one or more files of one kind, with where each row came from."""
 
-    columns: dict[str, np.ndarray]
+    columns: Columns
     job_id: pa.ChunkedArray
     tokens: dict[str, pa.ChunkedArray]  # lease tokens, kept in Arrow (see `read.Part`)
     nested: dict[str, Nested]
@@ -66,6 +82,14 @@ class Table:
         refuse_out_of_range(array, lambda row: f"{self.where(row)}: {what} field {key}",
                              time=time)
         return array
+
+    def text(self, key: str, rows: np.ndarray) -> np.ndarray:
+        """A text column's values at `rows` as an object array, made from the codes when
+        the whole column has not been."""
+        coded = self.coded.get(key)
+        if coded is not None and key not in self.columns:
+            return coded.objects(rows)
+        return cast(np.ndarray, self.columns[key][rows])
 
     def categorical(self, key: str) -> pd.Categorical:
         """A text column (of few distinct values) as a categorical, its categories sorted
@@ -139,19 +163,19 @@ def table_of(parts: Sequence[Part], schema: pa.Schema) -> Table:
     for f in schema:
         if pa.types.is_struct(f.type) or f.name == "job_id" or f.name in TOKENS:
             continue
-        got = [p.columns[f.name] for p in parts]
         if parts and all(f.name in p.coded for p in parts):
+            # Made into objects only if looked up (`Columns`).
             coded[f.name] = _merged([p.coded[f.name] for p in parts])
+            continue
+        # A text column of a file read line by line, or a number column.
+        got = [p.columns[f.name] if f.name in p.columns else p.coded[f.name].objects()
+               for p in parts]
         if not got:
             columns[f.name] = np.empty(0, dtype=object)
         elif len(got) == 1:
             columns[f.name] = got[0]
         elif all(a.dtype == np.float64 for a in got):
             columns[f.name] = np.concatenate(got)
-        elif f.name in coded:
-            # One object array from the merged codes, not a copy of each file's and another.
-            merged = coded[f.name]
-            columns[f.name] = np.append(merged.labels, np.array([None]))[merged.codes]
         else:
             columns[f.name] = np.concatenate([a.astype(object) for a in got])
     counts = [p.rows for p in parts]
@@ -162,7 +186,7 @@ def table_of(parts: Sequence[Part], schema: pa.Schema) -> Table:
     tokens = {name: pa.chunked_array([c for p in parts for c in p.tokens[name].chunks],
                                      pa.string())
               for name in TOKENS if name in schema.names}
-    return Table(columns=columns, job_id=job_id, tokens=tokens, nested=nested,
+    return Table(columns=Columns(columns, coded), job_id=job_id, tokens=tokens, nested=nested,
                   typed=all(p.typed for p in parts),
                   source=[str(p.path) for p in parts], rows_per_file=counts,
                   header_lines=[p.header_lines for p in parts], lines=[p.lines for p in parts],

@@ -1720,3 +1720,17 @@ def test_a_quote_left_open_on_the_last_line_is_named_as_the_line_reader_names_it
         lines = len(path.read_text().splitlines())
         with pytest.raises(HistoryError, match=rf"target-0\.csv:{lines}\b"):
             check_run([run_dir])
+
+
+def test_a_delivery_without_worker_or_account_headers_says_none(tmp_path: Path) -> None:
+    """The deliveries' text columns are categoricals (made from Arrow's codes); a value the
+    target did not get is still None in the evidence and null in verdict.json, never NaN."""
+    b = RunBuilder()
+    succeed_once(b, JOB, 100.0)
+    b.deliver(JOB, attempt=2, received=110.0, answered=110.01, worker=None, account=None)
+    verdict = check(b, tmp_path)
+    assert anomalies(verdict) == {"duplicate_unexplained": 1}
+    [example] = verdict.examples["duplicate_unexplained"]
+    assert example["evidence"]["worker"] is None
+    assert example["evidence"]["succeeded_worker"] == "worker-0"
+    json.dumps(verdict.to_json(), allow_nan=False)

@@ -124,7 +124,7 @@ def test_appended_line_invalidates_the_cache(tmp_path: Path) -> None:
     after = check_run([run_dir])
     assert after.counts["delivered"] == before.counts["delivered"] + 1
     # The rewritten cache now stands for the longer file: a third check agrees.
-    entry = columnar.lookup(log, (checker_read._DELIVERIES.schema,))
+    entry = columnar.lookup(log, (checker_read._DELIVERIES_WITHOUT_TOKENS.schema,))
     assert entry.table is not None
     assert entry.table.num_rows == after.counts["delivered"]
     assert judged(check_run([run_dir])) == judged(after)
@@ -134,8 +134,10 @@ def test_changed_schemas_or_version_miss(tmp_path: Path, monkeypatch: pytest.Mon
     run_dir = anomalous(tmp_path)
     check_run([run_dir])
     log = run_dir / DELIVERIES
-    schema = checker_read._DELIVERIES.schema
+    # The reference's attempt number names its claim: its check reads no lease tokens.
+    schema = checker_read._DELIVERIES_WITHOUT_TOKENS.schema
     assert columnar.lookup(log, (schema,)).table is not None
+    assert columnar.lookup(log, (checker_read._DELIVERIES.schema,)).table is None
     other = schema.append(pa.field("extra", pa.string()))
     assert columnar.lookup(log, (other,)).table is None
     monkeypatch.setattr(columnar, "FORMAT_VERSION", columnar.FORMAT_VERSION + 1)
