@@ -239,10 +239,10 @@ class Nested:
                 for name in names:
                     out[name].extend(d.get(name) for d in picked)
                 continue
-            taken = part.take(pa.array(local))
+            taken = pa.array(local)
             for name in names:
-                out[name].extend(pc.struct_field(taken, name).to_pylist()
-                                 if taken.type.get_field_index(name) >= 0
+                out[name].extend(pc.struct_field(part, name).take(taken).to_pylist()
+                                 if part.type.get_field_index(name) >= 0
                                  else [None] * len(local))
         return out
 
@@ -464,14 +464,15 @@ def _csv_header(path: Path, data: bytes | mmap.mmap, source: Source) -> list[str
     return names
 
 
-def _read_csv(data: bytes | mmap.mmap, end: int, source: Source) -> pa.Table | None:
+def _read_csv(data: bytes | mmap.mmap, end: int, source: Source, *,
+              threaded: bool) -> pa.Table | None:
     """The columns of a CSV log's first `end` bytes, parsed by Arrow, a row per line; None
     when Arrow cannot parse them, or they hold a blank line (or a record without its
-    `filled` value)."""
+    `filled` value). `threaded`: Arrow's thread pool parses its blocks too."""
     # A file of one block gains nothing from Arrow's thread pool, and a read that fails with
     # blocks still in flight on it can leave a pool thread running into interpreter exit,
     # where the C++ runtime aborts the process (seen once: exit -6 after a clean exit 2).
-    threaded = end > _BLOCK_BYTES
+    threaded = threaded and end > _BLOCK_BYTES
     try:
         table = pacsv.read_csv(
             pa.BufferReader(pa.py_buffer(memoryview(data)[:end])),
@@ -542,7 +543,8 @@ def _refuse_nul(path: Path, data: bytes | mmap.mmap, end: int) -> None:
                            "file is damaged; judge an undamaged copy")
 
 
-def _read_part(path: Path, source: Source, cache_writes: columnar.BackgroundWrites) -> Part:
+def _read_part(path: Path, source: Source, cache_writes: columnar.BackgroundWrites, *,
+               threaded: bool) -> Part:
     cache = columnar.lookup(path, (source.schema,))
     if cache.table is not None:
         return _arrow_part(path, _shaped(cache.table, source), False, source)
@@ -561,7 +563,8 @@ def _read_part(path: Path, source: Source, cache_writes: columnar.BackgroundWrit
     # Blank lines or two records on a line make Arrow's rows differ from the lines: such a
     # file, or one Arrow cannot parse, is read line by line, to name the line at fault.
     names = None if source.log is None else _csv_header(path, data, source)
-    table = _read_jsonl(data[:end], source) if names is None else _read_csv(data, end, source)
+    table = (_read_jsonl(data[:end], source) if names is None
+             else _read_csv(data, end, source, threaded=threaded))
     if table is not None:
         if not truncated:
             cache_writes.store(cache, table, read_bytes=end)
@@ -573,11 +576,28 @@ def _read_part(path: Path, source: Source, cache_writes: columnar.BackgroundWrit
 
 def read_parts(jobs: Sequence[tuple[Path, Source]],
                cache_writes: columnar.BackgroundWrites) -> list[Part]:
-    """Every file, read in parallel (Arrow parses without the GIL), in the given order; the
-    tables of files parsed whole go to `cache_writes`."""
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        futures = [pool.submit(_read_part, path, source, cache_writes) for path, source in jobs]
-        return [f.result() for f in futures]
+    """Every file, read in parallel (Arrow parses without the GIL), returned in the given
+    order; the tables of files parsed whole go to `cache_writes`. Files are parsed one per
+    thread, largest first; only a file larger than a thread's share of all the bytes is
+    also split among Arrow's threads. Blocks of many files parsed at once each hold their
+    buffers: one file per thread keeps less memory in flight, and fresh memory is most of
+    what a cold check costs."""
+    threads = max(2, os.cpu_count() or 2)
+    sizes = [_size(path) for path, _ in jobs]
+    share = sum(sizes) / threads
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        futures = {i: pool.submit(_read_part, jobs[i][0], jobs[i][1], cache_writes,
+                                  threaded=sizes[i] > share)
+                   for i in sorted(range(len(jobs)), key=lambda i: -sizes[i])}
+        return [futures[i].result() for i in range(len(jobs))]
+
+
+def _size(path: Path) -> int:
+    """The bytes of a history file, 0 when it cannot be looked at (its reader says why)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def data_dict(value: Any) -> dict[str, Any]:
