@@ -307,6 +307,15 @@ class NativeDelivery:
             event["started"] = sent
         self._sink("renew", event)
 
+    def forget_picks(self) -> None:
+        """Drop every pick held: the library's loop that held them failed and is started
+        again, so it will neither run, write nor renew them (a renewal of the same job by the
+        new loop is not theirs); each lease runs out as it stands, and the job is picked
+        again."""
+        self.picks.clear()
+        self._announced.clear()
+        self._running.clear()
+
     def error(self, op: str, text: str) -> None:
         """The loop's own failure (a fetch, a lock extension, a stall check)."""
         self._sink("error", {"op": op, "error": text})

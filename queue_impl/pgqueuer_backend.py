@@ -29,6 +29,13 @@ How the reference's notions map onto pgqueuer's:
 - ids: pgqueuer numbers its jobs; `skiplock_jobs` maps each to the harness's job, written in
   the same transaction as the enqueue (pgqueuer's log keeps no payload).
 
+A manager that fails once it has started (its connection cut by the database, a server
+restarting) is started again on a new connection after `RESTART_DELAY_SECONDS`, as `pgq run
+--restart-on-failure` does; each failure is recorded as an `error` event (op `pgqueuer`),
+and the picks the failed manager still held are dropped: it will neither write nor renew
+them, so each runs out at its last heartbeat and is picked again. A manager that cannot
+start at all stops its worker with the error, as before.
+
 What pgqueuer promises (`GUARANTEES`): per-account limits (as entrypoint limits); no fencing
 (its completion deletes the row by id, whoever holds it now); `attempts` counts retries
 only; the retry wait is the caller's (capped here); no claim transaction to stall; its
@@ -38,6 +45,7 @@ heartbeat re-pick always runs (recovery cannot be switched off).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -55,6 +63,10 @@ from psycopg import sql
 from skiplock.queue_impl import native
 from skiplock.queue_impl.interface import Guarantees, JobState, JobStatus, NewJob, Outcome
 from skiplock.queue_impl.plugins import SchemaConnection, asyncpg_params
+
+# pgqueuer's `pgq run --restart-on-failure` waits `--restart-delay` (5 s by default) before it
+# starts a failed manager again; a shorter wait keeps a run's workers busy through a fault.
+RESTART_DELAY_SECONDS = 1.0
 
 GUARANTEES = Guarantees(account_limits=True, fencing=False, attempts_count="finished",
                         retry_cap=True, claim_transaction=False, recovery_switch=False)
@@ -114,33 +126,58 @@ class PgqueuerQueue(SchemaConnection, native.DispatcherCallsRefused):
 
     async def run_worker(self, config: native.NativeConfig, worker_id: str, sink: Any,
                          stop: asyncio.Event) -> None:
+        async with native.NativeDelivery(config, worker_id, sink) as delivery:
+            connected = False
+            while not stop.is_set():
+                try:
+                    conn = await self._connect()
+                except Exception as exc:
+                    if not connected:
+                        raise  # never started: the worker stops with the error
+                    delivery.error("pgqueuer", native.one_line(exc))
+                else:
+                    connected = True
+                    try:
+                        await self._run_manager(conn, config, delivery, stop)
+                        return
+                    except Exception as exc:
+                        # As `pgq run --restart-on-failure`: logged, and started again.
+                        delivery.error("pgqueuer", native.one_line(exc))
+                        delivery.forget_picks()
+                    finally:
+                        with contextlib.suppress(Exception):  # a cut one cannot close cleanly
+                            await conn.close()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), RESTART_DELAY_SECONDS)
+
+    async def _connect(self) -> Any:
         # asyncpg does not read PGAPPNAME: the worker's name is passed on, so that a fault
         # that cuts the system under test's sessions finds them.
-        conn = await asyncpg.connect(**asyncpg_params(self.dsn), server_settings={
+        return await asyncpg.connect(**asyncpg_params(self.dsn), server_settings={
             "search_path": self.schema, "application_name": os.environ.get("PGAPPNAME", "")})
-        try:
-            async with native.NativeDelivery(config, worker_id, sink) as delivery:
-                queries = _RecordingQueries(AsyncpgDriver(conn), delivery)
-                manager = queries.manager = QueueManager(queries)
-                manager.shutdown = stop  # SIGTERM stops it as pgqueuer's own shutdown does
 
-                async def handle(job: Any) -> None:
-                    call = await delivery.run((job.id, id(job)))
-                    delay = delivery.retry_delay((job.id, id(job)))
-                    if delay is not None:
-                        raise RetryRequested(delay=delay, reason=call.error or "transient")
-                    if call.outcome is not Outcome.SUCCESS:
-                        raise native.CallFailed(call.error or "failed")
+    async def _run_manager(self, conn: Any, config: native.NativeConfig,
+                           delivery: native.NativeDelivery, stop: asyncio.Event) -> None:
+        """One `QueueManager` on `conn`, until `stop` or its failure."""
+        queries = _RecordingQueries(AsyncpgDriver(conn), delivery)
+        manager = queries.manager = QueueManager(queries)
+        manager.shutdown = stop  # SIGTERM stops it as pgqueuer's own shutdown does
 
-                for account in config.accounts:
-                    manager.entrypoint(account.id, concurrency_limit=account.concurrency_limit
-                                       or 0, on_failure="hold")(handle)
-                await manager.run(batch_size=config.batch,
-                                  dequeue_timeout=timedelta(seconds=config.poll_seconds),
-                                  heartbeat_timeout=timedelta(seconds=config.lease_seconds),
-                                  log_aggregation_interval=timedelta(0))
-        finally:
-            await conn.close()
+        async def handle(job: Any) -> None:
+            call = await delivery.run((job.id, id(job)))
+            delay = delivery.retry_delay((job.id, id(job)))
+            if delay is not None:
+                raise RetryRequested(delay=delay, reason=call.error or "transient")
+            if call.outcome is not Outcome.SUCCESS:
+                raise native.CallFailed(call.error or "failed")
+
+        for account in config.accounts:
+            manager.entrypoint(account.id, concurrency_limit=account.concurrency_limit
+                               or 0, on_failure="hold")(handle)
+        await manager.run(batch_size=config.batch,
+                          dequeue_timeout=timedelta(seconds=config.poll_seconds),
+                          heartbeat_timeout=timedelta(seconds=config.lease_seconds),
+                          log_aggregation_interval=timedelta(0))
 
 
 class _RecordingQueries(Queries):

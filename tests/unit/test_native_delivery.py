@@ -122,3 +122,34 @@ def test_the_records_of_a_native_loop() -> None:
     assert len(renewals) == 2 and all("started" in f and "lost" not in f for f in renewals)
     writes = {f["outcome"]: f["result"] for k, f in events if k == "write"}
     assert writes == {"success": "applied", "transient": "fenced", "permanent": "fenced"}
+
+
+def test_picks_a_failed_loop_held_are_forgotten_before_it_starts_again() -> None:
+    """A library's loop that failed and is started again (pgqueuer's restart on failure)
+    neither writes nor renews what it held: after `forget_picks` a heartbeat of the same job
+    by the new loop renews only the new pick, and the failure is an `error` event."""
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    async def main() -> None:
+        config = NativeConfig(batch=4, lease_seconds=5.0, http_timeout_seconds=2.0,
+                              write_margin_seconds=1.0, seed=1)
+        async with NativeDelivery(config, "w-0", lambda k, f: events.append((k, f))) as d:
+            job = encode_job(NewJob(id=uuid.uuid4(), account_id="acct",
+                                    target_url="http://127.0.0.1:9/deliver", payload={},
+                                    max_attempts=3))
+            d.claimed(("job", "old"), d.lease(job, pick="job:old", attempt=1))
+            d.error("library", "ConnectionError: the session was cut")
+            d.forget_picks()
+            assert d.picks == {}
+            d.claimed(("job", "new"), d.lease(job, pick="job:new", attempt=1))
+
+            async def returns() -> None:
+                return None
+
+            await d.heartbeat(returns(), lambda key: key[0] == "job")
+
+    asyncio.run(main())
+    renewals = [f for k, f in events if k == "renew"]
+    claims = [f for k, f in events if k == "claim"]
+    assert len(renewals) == 1 and renewals[0]["lease_token"] == claims[1]["lease_token"]
+    assert ("error", {"op": "library", "error": "ConnectionError: the session was cut"}) in events
