@@ -11,7 +11,7 @@ import math
 import mmap
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -212,13 +212,19 @@ class Nested:
     parts: list[pa.ChunkedArray | list[Any]]
     starts: np.ndarray  # first row of each part
 
+    def _by_part(self, rows: np.ndarray
+                 ) -> Iterator[tuple[np.ndarray, np.ndarray, pa.ChunkedArray | list[Any]]]:
+        """For `rows` (ascending), each part they fall in, in order: which of `rows` are in
+        it (a mask), their rows within it, and the part."""
+        which = np.searchsorted(self.starts, rows, side="right") - 1
+        for k in np.unique(which).tolist():
+            at = which == k
+            yield at, rows[at] - self.starts[k], self.parts[k]
+
     def pick(self, rows: np.ndarray) -> list[Any]:
         """The values of `rows` (ascending), as Python dicts (or whatever the line held)."""
         out: list[Any] = []
-        which = np.searchsorted(self.starts, rows, side="right") - 1
-        for k in np.unique(which).tolist():
-            local = rows[which == k] - self.starts[k]
-            part = self.parts[k]
+        for _, local, part in self._by_part(rows):
             if isinstance(part, list):
                 out.extend(part[i] for i in local.tolist())
             else:
@@ -230,10 +236,7 @@ class Nested:
         what `pick` and then `.get(name)` give, read column by column instead of through a
         dict per row."""
         out: dict[str, list[Any]] = {name: [] for name in names}
-        which = np.searchsorted(self.starts, rows, side="right") - 1
-        for k in np.unique(which).tolist():
-            local = rows[which == k] - self.starts[k]
-            part = self.parts[k]
+        for _, local, part in self._by_part(rows):
             if isinstance(part, list):
                 picked = [data_dict(part[i]) for i in local.tolist()]
                 for name in names:
@@ -251,11 +254,7 @@ class Nested:
         absent or not a number. Arrow's columns are converted whole, without a Python value
         per row."""
         values = np.full(len(rows), np.nan)
-        which = np.searchsorted(self.starts, rows, side="right") - 1
-        for k in np.unique(which).tolist():
-            at = which == k
-            local = rows[at] - self.starts[k]
-            part = self.parts[k]
+        for at, local, part in self._by_part(rows):
             if isinstance(part, list):
                 values[at] = [_number(data_dict(part[i]).get(name)) for i in local.tolist()]
             elif part.type.get_field_index(name) >= 0:
@@ -267,22 +266,16 @@ class Nested:
         return values
 
     def field(self, name: str, rows: np.ndarray) -> np.ndarray:
-        """One field of the objects at `rows` (ascending), None where absent."""
+        """One field of the objects at `rows` (ascending), None where absent; a text field's
+        strings one object per distinct value (a write's result has few)."""
         values = np.full(len(rows), None, dtype=object)
-        which = np.searchsorted(self.starts, rows, side="right") - 1
-        for k in np.unique(which).tolist():
-            at = which == k
-            local = rows[at] - self.starts[k]
-            part = self.parts[k]
+        for at, local, part in self._by_part(rows):
             if isinstance(part, list):
                 values[at] = [data_dict(part[i]).get(name) for i in local.tolist()]
             elif part.type.get_field_index(name) >= 0:
                 column = pc.struct_field(part, name).take(pa.array(local))
-                if pa.types.is_string(column.type):
-                    # Few distinct values (a write's result): one str object each.
-                    column = _coded(column).objects()
-                values[at] = column if isinstance(column, np.ndarray) else column.to_numpy(
-                    zero_copy_only=False)
+                values[at] = (_coded(column).objects() if pa.types.is_string(column.type)
+                              else column.to_numpy(zero_copy_only=False))
         return values
 
 

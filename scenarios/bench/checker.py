@@ -247,9 +247,11 @@ def _median_round(rounds: list[tuple[dict[str, Any], dict[str, Any]]]
     return ranked[len(ranked) // 2]
 
 
-def _print_rounds(rounds: list[tuple[dict[str, Any], dict[str, Any]]], cache_files: int,
+def _print_rounds(rounds: list[tuple[dict[str, Any], dict[str, Any]]],
+                  shown: tuple[dict[str, Any], dict[str, Any]], cache_files: int,
                   cache_size: int) -> None:
-    cold, warm = _median_round(rounds)
+    """The `shown` round's timings (the median), then every round's totals."""
+    cold, warm = shown
     which = "" if len(rounds) == 1 else f", the median of {len(rounds)} rounds"
     _print_timings(f"cold check (parses the CSV logs, writes the columnar cache{which}):",
                    cold["timings"])
@@ -285,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"history: {mix['deliveries']} deliveries, {mix['jobs']} jobs, "
           f"{warm['details'].get('worker_events', 0)} worker events, {size / 1e6:.0f} MB of "
           f"logs (built in {built:.1f}s)")
-    _print_rounds(rounds, cache_files, cache_size)
+    _print_rounds(rounds, (cold, warm), cache_files, cache_size)
     same = all(v["valid"] == cold["valid"] and v["counts"] == cold["counts"]
                for pair in rounds for v in pair)
     print(f"verdict: cold {cold['valid']}, warm {warm['valid']}"
